@@ -1,0 +1,94 @@
+"""The one model definition against transformers' own implementation (independent reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from quantkit.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
+from tests.conftest import tiny_hf_config
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+CASES = {
+    "llama": tiny_hf_config("llama"),
+    "llama-tied-mha": tiny_hf_config("llama", tie_word_embeddings=True, num_key_value_heads=4),
+    "llama-bias": tiny_hf_config("llama", attention_bias=True, mlp_bias=True),
+    "llama3-rope": tiny_hf_config("llama", rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+    "llama-linear-rope": tiny_hf_config("llama", rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "mistral": tiny_hf_config("mistral", head_dim=16),
+    "qwen2-bias": tiny_hf_config("qwen2", num_key_value_heads=1, tie_word_embeddings=True),
+}
+
+
+def _pair(hf_dict: dict):
+    torch.manual_seed(0)
+    hf_cfg = AutoConfig.for_model(**hf_dict)
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # random biases/norms, so a missing term cannot hide behind zeros/ones
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
+    ours = LlamaForCausalLM(ModelConfig.from_hf(hf.config.to_dict())).eval()
+    state = hf.state_dict()
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not [m for m in missing if m != "lm_head.weight"] and not unexpected, (missing, unexpected)
+    return hf, ours
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_on_tiny_configs(case):
+    hf, ours = _pair(CASES[case])
+    ids = torch.randint(0, 128, (2, 200))  # long enough that llama3 low/high frequency bands both matter
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = ours(ids)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_qwen2_has_qkv_bias_and_no_o_bias():
+    _, ours = _pair(CASES["qwen2-bias"])
+    attn = ours.model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.k_proj.bias is not None and attn.v_proj.bias is not None
+    assert attn.o_proj.bias is None
+
+
+def test_old_style_rope_keys_parse_like_new_ones():
+    old = tiny_hf_config("llama", rope_theta=500000.0, rope_scaling={"type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}})
+    new = tiny_hf_config("llama", rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE})
+    new.pop("rope_theta")
+    a, b = ModelConfig.from_hf(old), ModelConfig.from_hf(new)
+    assert a.rope_theta == b.rope_theta == 500000.0
+    torch.testing.assert_close(rope_inv_freq(a), rope_inv_freq(b), atol=0, rtol=0)
+
+
+def test_positions_argument_equals_implicit_positions():
+    _, ours = _pair(CASES["llama"])
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        full = ours(ids)
+        explicit = ours(ids, positions=torch.arange(12))
+        # logits_indices picks rows of the flattened [B*L, V] logits
+        picked = ours(ids, logits_indices=torch.tensor([3, 11]))
+    torch.testing.assert_close(full, explicit, atol=0, rtol=0)
+    torch.testing.assert_close(picked, full[0, [3, 11]], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_bundled_model_matches_transformers_on_real_prompts(bundled, bundled_dir):
+    hf = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.float32).eval()
+    tok = bundled.tokenizer
+    prompts = [
+        "The tower is 324 metres (1,063 ft) tall, about the same height as an 81-storey building.",
+        "Shall I compare thee to a summer's day? Thou art more lovely and more temperate:",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n",
+        tok.apply_chat_template([{"role": "user", "content": "Give me three tips for staying healthy."}],
+                                tokenize=False, add_generation_prompt=True),
+    ]
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            torch.testing.assert_close(bundled.model(ids), hf(ids).logits, atol=1e-3, rtol=0)
