@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 PREFIX = "quantkit:"
 
@@ -144,6 +145,9 @@ ENGINE_STATS = {
 }
 
 
+FINISH_REASONS = ("stop", "length", "abort")
+
+
 class ServerMetrics:
     """Every `quantkit:` metric of one server; `render(engine_stats)` is the /metrics body."""
 
@@ -155,6 +159,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("prompt_tokens", "Prefill tokens processed.", base)
         self.generation_tokens = Counter("generation_tokens", "Generation tokens processed.", base)
         self.request_success = Counter("request_success", "Finished requests by finish reason.", base)
+        for reason in FINISH_REASONS:
+            self.request_success.inc(0.0, finished_reason=reason)
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token in seconds.", base, TTFT_BUCKETS)
         self.itl = Histogram("inter_token_latency_seconds", "Inter-token latency in seconds.", base, ITL_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.", base,
@@ -177,3 +183,41 @@ class ServerMetrics:
         for family in self.families():
             lines.extend(family.render())
         return "\n".join(lines) + "\n"
+
+
+class RequestTracker:
+    """Feeds one engine request's outputs into the request-level metrics (tokens, TTFT, ITL, e2e, queue)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.arrival = time.time()
+        self.last_token_time: float | None = None
+        self.tokens = 0
+        self.done = False
+
+    def observe(self, out) -> None:
+        """`out`: the engine's RequestOutput after a step (cumulative)."""
+        now = time.time()
+        generated = out.num_generated_tokens
+        if generated > self.tokens:
+            if self.last_token_time is None:
+                self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.metrics.itl.observe(now - self.last_token_time)
+            self.metrics.generation_tokens.inc(generated - self.tokens)
+            self.tokens = generated
+            self.last_token_time = now
+        if out.finished and not self.done:
+            self.done = True
+            for completion in out.outputs:
+                self.metrics.request_success.inc(finished_reason=completion.finish_reason or "abort")
+            self.metrics.e2e.observe(now - self.arrival)
+            queue_time = out.metrics.queue_time
+            if queue_time is not None:
+                self.metrics.queue.observe(queue_time)
+
+    def aborted(self) -> None:
+        if not self.done:
+            self.done = True
+            self.metrics.request_success.inc(finished_reason="abort")

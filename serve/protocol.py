@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_serializer
 
 from quantkit.serve.sampling_params import MAX_LOGPROBS
 
@@ -131,6 +131,9 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
+        if param == "prompt":
+            raise APIError(400, "prompt: must be a string, a list of strings, a list of token ids or a list of "
+                                f"lists of token ids (got {_short(body.get('prompt'))})", param) from None
         raise APIError(400, f"{param or 'body'}: {err['msg']} (got {_short(err.get('input'))})", param) from None
 
 
@@ -219,8 +222,14 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """A streamed chat delta: only the fields it carries are sent ({"role", "content"} first, then "content")."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer
+    def _present_fields(self) -> dict:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

@@ -1,0 +1,443 @@
+"""/v1/completions and /v1/chat/completions: request -> engine requests -> JSON response or SSE stream.
+
+One API request becomes one engine request per prompt (n completions each; choice index = prompt_index * n +
+completion index). The engine yields cumulative RequestOutputs whose text already has stop strings removed and
+held back, so a stream sends `text[len(sent):]` each step and a stop string never leaks across chunks. Leaving
+early (client disconnect, error, cancellation) aborts every unfinished engine request so its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from quantkit.serve.api_logprobs import TokenTexts
+from quantkit.serve.metrics import RequestTracker, ServerMetrics
+from quantkit.serve.outputs import RequestOutput
+from quantkit.serve.protocol import (
+    APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,
+    SamplingFields, UsageInfo,
+)
+from quantkit.serve.sampling_params import SamplingParams
+
+logger = logging.getLogger("quantkit.serve.api")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+TOO_LONG = (
+    "This model's maximum context length is {max_model_len} tokens. However, you requested {max_tokens} output "
+    "tokens and your prompt contains at least {n_prompt} input tokens, for a total of at least {total} tokens. "
+    "Please reduce the length of the input prompt or the number of requested output tokens."
+)
+PROMPT_TOO_LONG = (
+    "This model's maximum context length is {max_model_len} tokens. However, your request has {n_prompt} input "
+    "tokens. Please reduce the length of the input messages."
+)
+
+
+@dataclass
+class Serving:
+    """What the handlers share: the engine, the tokenizer and the server's settings."""
+
+    engine: object
+    tokenizer: object
+    model_name: str
+    max_model_len: int
+    chat_template: str | None
+    metrics: ServerMetrics
+
+    def __post_init__(self):
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str
+
+
+# ---- request -> prompts and sampling parameters --------------------------------------------------------------
+
+
+def check_model(serving: Serving, name: str | None) -> None:
+    if name is not None and name != serving.model_name:
+        raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+
+def log_unknown_fields(request: SamplingFields) -> None:
+    if request.model_extra:
+        logger.info("ignoring unknown request fields: %s", ", ".join(sorted(request.model_extra)))
+
+
+def completion_prompts(serving: Serving, request: CompletionRequest) -> list[Prompt]:
+    """str | [str] | [int] | [[int]] -> one Prompt per prompt (text prompts tokenized with special tokens)."""
+    raw = request.prompt
+    if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
+        raw = [raw]
+    if not raw:
+        raise APIError(400, "prompt: must not be empty", "prompt")
+    prompts = []
+    for item in raw:
+        if isinstance(item, str):
+            prompts.append(Prompt(serving.tokenizer(item).input_ids, item))
+            continue
+        bad = [t for t in item if not 0 <= t < serving.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt: token id {bad[0]} is out of vocabulary (size {serving.vocab_size})",
+                           "prompt")
+        prompts.append(Prompt(list(item), serving.tokenizer.decode(item)))
+    if any(not p.token_ids for p in prompts):
+        raise APIError(400, "prompt: must contain at least one token", "prompt")
+    return prompts
+
+
+def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Prompt:
+    """Messages rendered with the chat template (the tokenizer's or --chat-template), then tokenized as is."""
+    template = serving.chat_template or getattr(serving.tokenizer, "chat_template", None)
+    if not template:
+        raise APIError(400, "This model has no chat template: start the server with --chat-template FILE, "
+                            "or use /v1/completions", "messages")
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in request.messages]
+    try:
+        text = serving.tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, **(request.chat_template_kwargs or {}),
+        )
+    except Exception as e:  # jinja2 TemplateError or ValueError from transformers: the request's fault
+        raise APIError(400, f"messages: the chat template could not render them: {e}", "messages") from None
+    token_ids = serving.tokenizer(text, add_special_tokens=False).input_ids
+    if not token_ids:
+        raise APIError(400, "messages: render to an empty prompt", "messages")
+    return Prompt(token_ids, text)
+
+
+def fit_max_tokens(serving: Serving, n_prompt: int, requested: int | None, default: int | None) -> int:
+    """The output budget of one prompt; 400 (vLLM's exact message) when it does not fit max_model_len.
+
+    default None means "what fits" (chat)."""
+    limit = serving.max_model_len
+    if requested is None and default is None:
+        if n_prompt >= limit:
+            raise APIError(400, PROMPT_TOO_LONG.format(max_model_len=limit, n_prompt=n_prompt), "messages")
+        return limit - n_prompt
+    max_tokens = requested if requested is not None else default
+    if n_prompt + max_tokens > limit:
+        message = TOO_LONG.format(max_model_len=limit, max_tokens=max_tokens, n_prompt=n_prompt,
+                                  total=n_prompt + max_tokens)
+        raise APIError(400, message, "max_tokens")
+    return max_tokens
+
+
+def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    params = SamplingParams(
+        n=request.n,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=-1 if request.top_k is None else request.top_k,
+        min_p=0.0 if request.min_p is None else request.min_p,
+        seed=request.seed,
+        stop=request.stop or [],
+        stop_token_ids=request.stop_token_ids or [],
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+    )
+    try:
+        return params.validate()
+    except ValueError as e:
+        message = str(e)
+        raise APIError(400, message, message.split(" ", 1)[0]) from None
+
+
+# ---- running engine requests ---------------------------------------------------------------------------------
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams as their outputs arrive, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, end))
+        except Exception as e:  # handed to the consumer, which re-raises it
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class Generation:
+    """The engine requests of one API request; abandoning the iteration aborts the unfinished ones."""
+
+    def __init__(self, serving: Serving, request_id: str, prompts: list[Prompt], params: SamplingParams):
+        self.serving = serving
+        self.prompts = prompts
+        self.params = params
+        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.trackers = [RequestTracker(serving.metrics) for _ in prompts]
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        engine = self.serving.engine
+        streams = [engine.generate(rid, p.token_ids, self.params, prompt=p.text)
+                   for rid, p in zip(self.engine_ids, self.prompts)]
+        try:
+            async for i, out in _merge(streams):
+                self.trackers[i].observe(out)
+                yield i, out
+        finally:
+            for rid, tracker in zip(self.engine_ids, self.trackers):
+                if not tracker.done:
+                    tracker.aborted()
+                    result = engine.abort(rid)
+                    if inspect.isawaitable(result):
+                        await result
+
+
+async def unless_disconnected(raw_request, work):
+    """Await `work` (a coroutine), cancelling it when the client goes away first (its requests get aborted)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
+def sse(payload) -> str:
+    body = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {body}\n\n"
+
+
+async def stream_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The SSE body: the events, an error event if generation fails midway, then always `data: [DONE]`."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as e:
+        yield sse(json.dumps(e.body()))
+    except Exception as e:  # the stream has started: the error can only travel as an event
+        logger.exception("generation failed mid-stream")
+        yield sse(json.dumps(APIError(500, f"generation failed: {e}").body()))
+    yield "data: [DONE]\n\n"
+
+
+# ---- /v1/completions -----------------------------------------------------------------------------------------
+
+
+def prepare_completion(serving: Serving, request: CompletionRequest) -> tuple[str, Generation]:
+    check_model(serving, request.model)
+    log_unknown_fields(request)
+    if request.suffix is not None:
+        raise APIError(400, "suffix: is not supported", "suffix")
+    prompts = completion_prompts(serving, request)
+    requested = request.requested_max_tokens()
+    budgets = [fit_max_tokens(serving, len(p.token_ids), requested, COMPLETIONS_DEFAULT_MAX_TOKENS) for p in prompts]
+    params = sampling_params(request, budgets[0], request.logprobs,
+                             request.logprobs if request.echo and request.logprobs is not None else None)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    return request_id, Generation(serving, request_id, prompts, params)
+
+
+class _CompletionChoiceState:
+    """What one choice has sent so far (text characters, tokens, logprob text offset)."""
+
+    def __init__(self):
+        self.text_sent = 0
+        self.tokens_sent = 0
+        self.offset = 0
+        self.started = False
+        self.finished = False
+
+
+def _completion_piece(serving: Serving, request: CompletionRequest, prompt: Prompt, out: RequestOutput, completion,
+                      state: _CompletionChoiceState) -> tuple[str, object]:
+    """The text and logprobs a choice has not sent yet (the echoed prompt first, once)."""
+    text = completion.text[state.text_sent:]
+    token_ids = completion.token_ids[state.tokens_sent:]
+    steps = (completion.logprobs or [])[state.tokens_sent:] if request.logprobs is not None else []
+    if not state.started and request.echo:
+        text = prompt.text + text
+        if request.logprobs is not None:
+            token_ids = prompt.token_ids + token_ids
+            steps = list(out.prompt_logprobs or [None] * len(prompt.token_ids)) + steps
+    logprobs = None
+    if request.logprobs is not None:
+        logprobs = serving.token_texts.completion_logprobs(token_ids, steps, request.logprobs, state.offset)
+        state.offset += sum(len(t) for t in logprobs.tokens)
+    state.started = True
+    state.text_sent = len(completion.text)
+    state.tokens_sent = len(completion.token_ids)
+    return text, logprobs
+
+
+async def completion_response(serving: Serving, request: CompletionRequest, request_id: str,
+                              generation: Generation) -> CompletionResponse:
+    n = request.n
+    states = [_CompletionChoiceState() for _ in range(len(generation.prompts) * n)]
+    choices: dict[int, CompletionChoice] = {}
+    final: dict[int, RequestOutput] = {}
+    async for i, out in generation.outputs():
+        final[i] = out
+    for i, out in sorted(final.items()):
+        for completion in out.outputs:
+            index = i * n + completion.index
+            text, logprobs = _completion_piece(serving, request, generation.prompts[i], out, completion,
+                                               states[index])
+            choices[index] = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                              finish_reason=completion.finish_reason,
+                                              stop_reason=completion.stop_reason)
+    return CompletionResponse(id=request_id, model=serving.model_name, choices=[choices[k] for k in sorted(choices)],
+                              usage=_usage(generation, final.values()))
+
+
+async def completion_stream(serving: Serving, request: CompletionRequest, request_id: str,
+                            generation: Generation) -> AsyncIterator[str]:
+    n = request.n
+    created = int(time.time())
+    states = [_CompletionChoiceState() for _ in range(len(generation.prompts) * n)]
+    final: dict[int, RequestOutput] = {}
+    usage_field = {"usage": None} if request.include_usage() else {}
+    async for i, out in generation.outputs():
+        final[i] = out
+        for completion in out.outputs:
+            index = i * n + completion.index
+            state = states[index]
+            if state.finished:
+                continue
+            has_new = completion.text[state.text_sent:] or len(completion.token_ids) > state.tokens_sent
+            if not (has_new or completion.finished or (request.echo and not state.started)):
+                continue
+            text, logprobs = _completion_piece(serving, request, generation.prompts[i], out, completion, state)
+            state.finished = completion.finished
+            choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                      finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+            yield sse(CompletionChunk(id=request_id, created=created, model=serving.model_name, choices=[choice],
+                                      **usage_field))
+    if request.include_usage():
+        yield sse(CompletionChunk(id=request_id, created=created, model=serving.model_name, choices=[],
+                                  usage=_usage(generation, final.values())))
+
+
+def _usage(generation: Generation, outputs) -> UsageInfo:
+    outputs = list(outputs)
+    prompt_tokens = sum(len(p.token_ids) for p in generation.prompts)
+    completion_tokens = sum(out.num_generated_tokens for out in outputs)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------------------------
+
+
+def prepare_chat(serving: Serving, request: ChatCompletionRequest) -> tuple[str, Generation]:
+    check_model(serving, request.model)
+    log_unknown_fields(request)
+    if request.top_logprobs and not request.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+    prompt = chat_prompt(serving, request)
+    max_tokens = fit_max_tokens(serving, len(prompt.token_ids), request.requested_max_tokens(), None)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    params = sampling_params(request, max_tokens, logprobs, None)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    return request_id, Generation(serving, request_id, [prompt], params)
+
+
+def _chat_logprobs(serving: Serving, request: ChatCompletionRequest, completion, start: int):
+    if not request.logprobs:
+        return None
+    steps = (completion.logprobs or [])[start:]
+    return serving.token_texts.chat_logprobs(completion.token_ids[start:], steps, request.top_logprobs or 0)
+
+
+async def chat_response(serving: Serving, request: ChatCompletionRequest, request_id: str,
+                        generation: Generation) -> ChatCompletionResponse:
+    final = None
+    async for _, out in generation.outputs():
+        final = out
+    choices = [
+        ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                   logprobs=_chat_logprobs(serving, request, c, 0), finish_reason=c.finish_reason,
+                   stop_reason=c.stop_reason)
+        for c in sorted(final.outputs, key=lambda c: c.index)
+    ]
+    return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices,
+                                  usage=_usage(generation, [final]))
+
+
+async def chat_stream(serving: Serving, request: ChatCompletionRequest, request_id: str,
+                      generation: Generation) -> AsyncIterator[str]:
+    created = int(time.time())
+    usage_field = {"usage": None} if request.include_usage() else {}
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=serving.model_name, choices=[choice],
+                                       **usage_field))
+
+    text_sent = [0] * request.n
+    tokens_sent = [0] * request.n
+    finished = [False] * request.n
+    final = None
+    async for _, out in generation.outputs():
+        if final is None:
+            for index in range(request.n):  # the role comes first, in a delta of its own
+                yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        final = out
+        for c in out.outputs:
+            if finished[c.index]:
+                continue
+            delta = c.text[text_sent[c.index]:]
+            if not (delta or len(c.token_ids) > tokens_sent[c.index] or c.finished):
+                continue
+            logprobs = _chat_logprobs(serving, request, c, tokens_sent[c.index])
+            text_sent[c.index], tokens_sent[c.index] = len(c.text), len(c.token_ids)
+            finished[c.index] = c.finished
+            yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
+                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    if request.include_usage() and final is not None:
+        yield sse(ChatCompletionChunk(id=request_id, created=created, model=serving.model_name, choices=[],
+                                      usage=_usage(generation, [final])))
