@@ -1,0 +1,131 @@
+"""AWQ (Lin et al., 2023, "AWQ: Activation-aware Weight Quantization for LLM Compression"), as pure tensor
+functions. The driver (quant/calibrate.py) collects the statistics; the method in quant/methods.py applies them.
+
+Everything the search needs about a group's input X [T, K] is two statistics gathered in one pass:
+  m = mean |x| per channel [K]   and   H = X^T X / T [K, K]  (the Hessian GPTQ uses, quant/gptq.py).
+The output error of the group's Linears (weights concatenated along N) with fake-quantized W' is
+  err = ||X (W - W')^T||^2 / (T N) = tr(dW H dW^T) / N,
+so no search step touches the activations again and every token counts.
+
+Scale search, a in {0, 1/20, ..., 19/20}:
+  s = m^a / (w_mean^(1-a) + 1e-4),  s /= sqrt(max(s) min(s)),  err(a) = output_error(W, Q(W s) / s, H)
+Folding s (x' = x / s, W' = W s) leaves the float model's outputs unchanged.
+Clip search (every Linear but q/k): per row and group, the shrink t in {1, 0.95, ..., 0.55} of the group's absmax
+minimising that group's partial-output error dw_g H_gg dw_g^T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from quantkit.config import QuantScheme
+from quantkit.quant.gptq import output_error
+from quantkit.quant.scheme import dequantize, quantize_rtn
+
+N_GRID = 20
+MAX_SHRINK = 0.5
+_CHUNK = 8192
+
+
+@dataclass
+class ScaleSearch:
+    scales: torch.Tensor  # [K] fp32, > 0
+    ratio: float  # the chosen a
+    loss: float  # output error with the chosen scales
+    loss_unscaled: float  # output error of plain RTN (s = 1), for the report
+
+
+def accumulate_magnitude(abs_sum: torch.Tensor, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> int:
+    """abs_sum [K] fp32 += sum of |x| over the tokens of x [..., K] where mask [...] is True; returns tokens added."""
+    x = x.reshape(-1, x.shape[-1]) if mask is None else x[mask]
+    for start in range(0, x.shape[0], _CHUNK):
+        abs_sum += x[start:start + _CHUNK].float().abs().sum(0)
+    return x.shape[0]
+
+
+def weight_magnitude(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """weight [N, K] -> [K]: mean over rows of |w| relative to its group's absmax."""
+    n, k = weight.shape
+    wg = weight.float().abs().reshape(n, -1, scheme.group_of(k))  # [N, G, g]
+    return (wg / wg.amax(dim=2, keepdim=True).clamp(min=1e-12)).reshape(n, k).mean(0)
+
+
+def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """weight [N, K] -> the dequantized RTN weight, fp32 [N, K]."""
+    return dequantize(quantize_rtn(weight.float(), scheme))
+
+
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float) -> torch.Tensor:
+    """s [K] = x_mean^a / (w_mean^(1-a) + 1e-4), normalised so that max(s) * min(s) = 1."""
+    s = x_mean.pow(ratio).clamp(min=1e-4) / (w_mean.pow(1 - ratio) + 1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def search_scales(weight: torch.Tensor, x_mean: torch.Tensor, h: torch.Tensor, scheme: QuantScheme,
+                  n_grid: int = N_GRID) -> ScaleSearch:
+    """weight [N, K] (the group's Linears concatenated along N), x_mean [K], h [K, K] -> the best scales."""
+    w = weight.float()
+    w_mean = weight_magnitude(w, scheme)
+    best: Optional[ScaleSearch] = None
+    for i in range(n_grid):
+        s = candidate_scales(x_mean, w_mean, i / n_grid)
+        loss = output_error(w, fake_quantize(w * s, scheme) / s, h)
+        if best is None or loss < best.loss:
+            best = ScaleSearch(s, i / n_grid, loss, 0.0)
+    best.loss_unscaled = output_error(w, fake_quantize(w, scheme), h)
+    return best
+
+
+def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) -> None:
+    """Divide prev's output channels by s [K] (RMSNorm weight [K], or Linear rows [K, :] and bias) and multiply
+    the linears' input columns by s; the composition prev -> linears computes the same function."""
+    with torch.no_grad():
+        s = s.to(prev.weight.device)
+        if prev.weight.dim() == 1:
+            prev.weight.div_(s.to(prev.weight.dtype))
+        else:
+            prev.weight.div_(s.to(prev.weight.dtype)[:, None])
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.div_(s.to(prev.bias.dtype))
+        for linear in linears:
+            linear.weight.mul_(s.to(linear.weight.dtype)[None, :])
+
+
+def scale_statistics(x_mean: torch.Tensor, h: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The statistics of x / s given those of x: (m / s, H / (s s^T))."""
+    return x_mean / s, h / (s[:, None] * s[None, :])
+
+
+def search_clip(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, n_grid: int = N_GRID,
+                max_shrink: float = MAX_SHRINK) -> torch.Tensor:
+    """weight [N, K], h [K, K] -> max_val [N, G]: the clip bound per row and group with the least error."""
+    n, k = weight.shape
+    g = scheme.group_of(k)
+    w = weight.float().reshape(n, -1, g)  # [N, G, g]
+    hb = torch.stack([h[j:j + g, j:j + g] for j in range(0, k, g)])  # [G, g, g] diagonal blocks
+    org_max = w.abs().amax(dim=2)  # [N, G]
+    best_max, best_err = org_max.clone(), None
+    for i in range(int(max_shrink * n_grid)):
+        max_val = org_max * (1 - i / n_grid)
+        clipped = torch.maximum(torch.minimum(w, max_val[..., None]), -max_val[..., None])
+        dw = (w - fake_quantize(clipped.reshape(n, k), scheme).reshape(n, -1, g)).transpose(0, 1)  # [G, N, g]
+        err = (torch.bmm(dw, hb) * dw).sum(-1).T  # [N, G]
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_max = torch.where(better, max_val, best_max)
+    return best_max
+
+
+def clip_weight(weight: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
+    """weight [N, K], max_val [N, G] -> weight clamped to [-max_val, max_val] per group, fp32."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, max_val.shape[1], -1)
+    return torch.maximum(torch.minimum(w, max_val[..., None]), -max_val[..., None]).reshape(n, k)
+

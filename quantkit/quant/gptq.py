@@ -1,0 +1,146 @@
+"""GPTQ (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers"), Algorithm 1, as pure tensor functions. The driver (quant/calibrate.py) collects the inputs.
+
+Per Linear W [N, K] with calibration inputs X [T, K]:
+  H = X^T X / T                                  (fp32, `hessian`)
+  H += damp * mean(diag H) * I                   (escalated while the Cholesky factorisation fails)
+  U = chol(H^-1) upper                           (row i of U holds the OBS update for column i)
+  for each column i in processing order (blocks of B columns, updates to later blocks applied lazily):
+      q_i = quant(w_i);  err = (w_i - q_i) / U[i, i];  w_{i+1:} -= err * U[i, i+1:]
+Act-order processes columns by descending diag(H); groups are formed in processing order (g_idx non-monotonic)
+unless static groups fit every group's qparams up front on the original column order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from quantkit.config import QuantScheme
+from quantkit.quant.scheme import QTensor, canonical_g_idx, dequantize, fit_qparams, quantize, quantize_rtn
+
+# Dampening fractions tried, in order, after the requested one when the factorisation fails.
+DAMP_LADDER = (0.01, 0.03, 0.1, 0.3, 1.0)
+_CHUNK = 8192  # rows of X multiplied at once when accumulating H
+
+
+@dataclass
+class GPTQStats:
+    damp: Optional[float]  # fraction of mean(diag H) actually added (None: RTN fallback)
+    loss: float  # tr(dW H dW^T) / N: mean squared output error per output element on the calibration inputs
+    fallback: bool  # every dampening level failed to factorise: the layer was rounded to nearest instead
+    dead_columns: int  # input columns never activated by the calibration data (diag H == 0)
+
+
+def accumulate_hessian(h_sum: torch.Tensor, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> int:
+    """h_sum [K, K] fp32 += X^T X over the tokens of x [..., K] (any float dtype) where mask [...] (bool) is True.
+    Returns the number of tokens added; H = h_sum / tokens."""
+    x = x.reshape(-1, x.shape[-1]) if mask is None else x[mask]
+    for start in range(0, x.shape[0], _CHUNK):
+        xc = x[start:start + _CHUNK].float()  # [t, K]
+        h_sum.addmm_(xc.T, xc)
+    return x.shape[0]
+
+
+def hessian(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K], mask [...] bool or None -> H = X^T X / T, fp32 [K, K]."""
+    h = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32, device=x.device)
+    return h / max(accumulate_hessian(h, x, mask), 1)
+
+
+def output_error(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> float:
+    """tr(dW H dW^T) / N with dW = W - W' [N, K], H [K, K] = mean x x^T: mean squared output error per element."""
+    dw = weight.float() - approx.float()
+    return float(((dw @ h) * dw).sum() / dw.shape[0])
+
+
+def inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[Optional[torch.Tensor], Optional[float]]:
+    """H [K, K] -> (U upper [K, K] with U^T U = (H + d mean(diag H) I)^-1, d used), escalating d along
+    DAMP_LADDER while a factorisation fails; (None, None) when every level fails."""
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    mean_diag = h.diagonal().mean()
+    for d in (damp, *(x for x in DAMP_LADDER if x > damp)):
+        lower, info = torch.linalg.cholesky_ex(h + d * mean_diag * eye)
+        if info != 0:
+            continue
+        upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+        if info == 0 and torch.isfinite(upper).all():
+            return upper, d
+    return None, None
+
+
+def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, damp: float = 0.01,
+                  block_size: int = 128, layer: str = "") -> tuple[QTensor, GPTQStats]:
+    """weight [N, K], h [K, K] (from `hessian`) -> (QTensor, GPTQStats)."""
+    n, k = weight.shape
+    g = scheme.group_of(k)
+    scheme.groups(k, layer)  # validates that g divides K
+    w = weight.detach().float().clone()
+    h = h.detach().float().clone()
+    h_orig = h.clone()
+
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+
+    column = scheme_for_columns(scheme)
+    up_front = scheme.static_groups or g == k  # qparams fit once on the original column order
+    if up_front:
+        scales, zeros = fit_qparams(w, scheme, layer=layer)  # [N, G]
+    else:
+        scales = torch.empty(n, k // g, dtype=torch.float16, device=w.device)
+        zeros = torch.empty(n, k // g, dtype=torch.uint8, device=w.device)
+
+    perm = torch.argsort(h.diagonal(), descending=True, stable=True) if scheme.act_order else None
+    if perm is not None:
+        w, h = w[:, perm], h[perm][:, perm]
+    # group of each column in processing order: static groups keep the original k // g
+    order = perm if perm is not None else torch.arange(k, device=w.device)
+    group_of_step = (order // g) if up_front else (torch.arange(k, device=w.device) // g)
+
+    u, damp_used = inverse_cholesky(h, damp)
+    if u is None:
+        qt = quantize_rtn(weight.detach().float(), dataclasses.replace(scheme, act_order=False), layer=layer)
+        return qt, GPTQStats(None, output_error(weight, dequantize(qt), h_orig), True, int(dead.sum()))
+
+    # blocks hold whole groups, so every group's qparams are fit on fully updated columns
+    bs = block_size if up_front else max(g, block_size // g * g)
+    group_list = group_of_step.tolist()
+    wt = w.T.contiguous()  # [K, N]: row i is column i in processing order (contiguous rank-1 updates)
+    codes = torch.empty(k, n, dtype=torch.uint8, device=w.device)  # [K, N] processing order
+    for i1 in range(0, k, bs):
+        i2 = min(i1 + bs, k)
+        w1 = wt[i1:i2].clone()  # [B, N] this block's columns, updated as the sweep goes
+        u1 = u[i1:i2, i1:i2]
+        u1_diag = u1.diagonal().tolist()
+        err1 = torch.zeros_like(w1)  # [B, N]
+        for i in range(i2 - i1):
+            step, grp = i1 + i, group_list[i1 + i]
+            if not up_front and step % g == 0:
+                scales[:, grp:grp + 1], zeros[:, grp:grp + 1] = fit_qparams(w1[i:i + g].T, column, layer=layer)
+            if i == 0 or grp != group_list[step - 1]:
+                s, z = scales[:, grp:grp + 1], zeros[:, grp:grp + 1]  # [N, 1]
+                s32, z32 = s[:, 0].float(), z[:, 0].float()
+            q = quantize(w1[i][:, None], s, z, scheme.bits, -1)[:, 0]  # [N]
+            codes[step] = q
+            err = (w1[i] - s32 * (q.float() - z32)) / u1_diag[i]  # [N]
+            w1[i:].addr_(u1[i, i:], err, alpha=-1.0)
+            err1[i] = err
+        wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
+    codes = codes.T
+
+    g_idx = None
+    if perm is not None:
+        inverse = torch.argsort(perm)
+        codes = codes[:, inverse]
+        g_idx = canonical_g_idx(group_of_step[inverse].to(torch.int32), k, scheme.group_size)
+    qt = QTensor(codes.contiguous(), zeros, scales, g_idx, scheme.bits, scheme.group_size, scheme.sym)
+    return qt, GPTQStats(damp_used, output_error(weight, dequantize(qt), h_orig), False, int(dead.sum()))
+
+
+def scheme_for_columns(scheme: QuantScheme) -> QuantScheme:
+    """The same bits/symmetry with one group spanning whatever columns it is given."""
+    return dataclasses.replace(scheme, group_size=-1, act_order=False, static_groups=False)
