@@ -54,6 +54,7 @@ class Serving:
 
     def __post_init__(self):
         self.token_texts = TokenTexts(self.tokenizer)
+        self.token_ids_as_texts = TokenTexts(self.tokenizer, as_ids=True)
         self.vocab_size = len(self.tokenizer)
 
 
@@ -165,6 +166,10 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
         raise APIError(400, message, message.split(" ", 1)[0]) from None
 
 
+def _texts(serving: Serving, request: SamplingFields) -> TokenTexts:
+    return serving.token_ids_as_texts if request.return_tokens_as_token_ids else serving.token_texts
+
+
 # ---- running engine requests ---------------------------------------------------------------------------------
 
 
@@ -243,6 +248,7 @@ async def unless_disconnected(raw_request, work):
         watcher.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})  # its cleanup aborts the engine requests
     if task.cancelled():
         raise APIError(499, "client disconnected")
     return task.result()
@@ -307,8 +313,8 @@ def _completion_piece(serving: Serving, request: CompletionRequest, prompt: Prom
             steps = list(out.prompt_logprobs or [None] * len(prompt.token_ids)) + steps
     logprobs = None
     if request.logprobs is not None:
-        logprobs = serving.token_texts.completion_logprobs(token_ids, steps, request.logprobs, state.offset)
-        state.offset += sum(len(t) for t in logprobs.tokens)
+        logprobs, state.offset = _texts(serving, request).completion_logprobs(token_ids, steps, request.logprobs,
+                                                                              state.offset)
     state.started = True
     state.text_sent = len(completion.text)
     state.tokens_sent = len(completion.token_ids)
@@ -391,7 +397,7 @@ def _chat_logprobs(serving: Serving, request: ChatCompletionRequest, completion,
     if not request.logprobs:
         return None
     steps = (completion.logprobs or [])[start:]
-    return serving.token_texts.chat_logprobs(completion.token_ids[start:], steps, request.top_logprobs or 0)
+    return _texts(serving, request).chat_logprobs(completion.token_ids[start:], steps, request.top_logprobs or 0)
 
 
 async def chat_response(serving: Serving, request: ChatCompletionRequest, request_id: str,

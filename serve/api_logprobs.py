@@ -20,36 +20,36 @@ def _clamp(logprob: float) -> float:
 
 
 class TokenTexts:
-    """Each token id's own text (`decode([id])`, cached): the `token` strings of logprobs."""
+    """Each token id's own text (`decode([id])`, cached) and its label in logprobs: the text, or "token_id:{id}"
+    with `as_ids` (vLLM's return_tokens_as_token_ids)."""
 
-    def __init__(self, tokenizer):
-        self.text = lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
+    def __init__(self, tokenizer, as_ids: bool = False):
+        self.decoded = lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
+        self.label = (lambda token_id: f"token_id:{token_id}") if as_ids else self.decoded
 
     def completion_logprobs(self, token_ids: list[int], steps: list[dict[int, float] | None], top_k: int,
-                            text_offset: int) -> CompletionLogProbs:
-        """Legacy logprobs for `token_ids` (steps[i] holds token i's entry; None = no context), offsets from
-        `text_offset` (the length of the text already sent before the first of these tokens)."""
+                            text_offset: int) -> tuple[CompletionLogProbs, int]:
+        """Legacy logprobs for `token_ids` (steps[i] holds token i's entry; None = no context), offsets counted
+        from `text_offset` (the text already sent before the first of these tokens); also the offset after them."""
         out = CompletionLogProbs()
         for token_id, step in zip(token_ids, steps):
-            token = self.text(token_id)
-            out.tokens.append(token)
+            out.tokens.append(self.label(token_id))
             out.text_offset.append(text_offset)
-            text_offset += len(token)
+            text_offset += len(self.decoded(token_id))
             if step is None:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(_clamp(step[token_id]))
             out.top_logprobs.append(self._top_dict(step, token_id, top_k))
-        return out
+        return out, text_offset
 
     def _top_dict(self, step: dict[int, float], chosen: int, top_k: int) -> dict[str, float]:
-        """The top_k entries plus the chosen token, keyed by text (two ids with one text keep the higher)."""
+        """The top_k entries plus the chosen token, keyed by label (two ids with one text keep the higher)."""
         ranked = sorted(step.items(), key=lambda kv: kv[1], reverse=True)
-        keep = ranked[:top_k] + [(chosen, step[chosen])]
         top: dict[str, float] = {}
-        for token_id, logprob in keep:
-            top.setdefault(self.text(token_id), _clamp(logprob))
+        for token_id, logprob in ranked[:top_k] + [(chosen, step[chosen])]:
+            top.setdefault(self.label(token_id), _clamp(logprob))
         return top
 
     def chat_logprobs(self, token_ids: list[int], steps: list[dict[int, float]], top_k: int) -> ChatLogProbs:
@@ -63,5 +63,5 @@ class TokenTexts:
         return ChatLogProbs(content=content)
 
     def _entry(self, token_id: int, logprob: float) -> dict:
-        token = self.text(token_id)
-        return {"token": token, "logprob": _clamp(logprob), "bytes": list(token.encode("utf-8"))}
+        return {"token": self.label(token_id), "logprob": _clamp(logprob),
+                "bytes": list(self.decoded(token_id).encode("utf-8"))}

@@ -61,6 +61,7 @@ class SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: StrictBool = True
+    return_tokens_as_token_ids: StrictBool = False  # vLLM's extension: logprob tokens as "token_id:{id}"
     user: str | None = None
 
     def requested_max_tokens(self) -> int | None:
