@@ -1,0 +1,114 @@
+# dequant_gemm - x [M, K] fp16/bf16 @ W'[K, N] (PackedWeight, 4/8-bit) -> out [M, N], x.dtype
+"""Medium-M dequant-GEMM: classic tiled matmul whose B tile is decoded from the packed weight in registers.
+
+Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), programs ordered in GROUP_M-row bands so neighbouring programs
+share x rows and weight columns in L2 (Triton matmul tutorial ordering). fp32 accumulator; each K tile loads
+its group's scales once (dequantize.dequant_tile).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import fp32_dot, mma
+from .dequantize import check_matmul_inputs, dequant_matmul_ref, dequant_tile, weight_args, weight_meta
+from .repack import PackedWeight
+
+
+def _configs() -> list[triton.Config]:
+    """Candidate tiles for H100/H200/A100-class GPUs (autotuned per (N, K, M bucket), cached on disk)."""
+    shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+        (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
+        (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+    ]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in shapes]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop row tiles far taller than the M bucket (they only multiply padding)."""
+    bucket = named_args["M_BUCKET"]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)]
+    return kept or configs[:1]
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr,  # [M, K] fp16/bf16, column stride 1
+    qw_ptr, s_ptr, z_ptr,  # PackedWeight qweight int32 [KW, N], scales fp16 [G, N], zeros uint8 [G, N]
+    perm_ptr,  # int32 [K]: x column of packed row k (read only when HAS_PERM)
+    bias_ptr,  # [N] x.dtype (read only when HAS_BIAS)
+    out_ptr,  # [M, N] x.dtype, column stride 1
+    M, N, K, M_BUCKET,  # M_BUCKET: autotune key only
+    stride_xm, stride_om, stride_qw, stride_sg,
+    BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # program id -> (pid_m, pid_n), walking GROUP_M row tiles down one column band before moving right
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    band = pid // (GROUP_M * num_n)
+    first_m = band * GROUP_M
+    rows_in_band = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % rows_in_band
+    pid_n = (pid % (GROUP_M * num_n)) // rows_in_band
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    mask_m = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK] packed rows
+        mask_k = offs_k < K
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)  # [BK] x columns of these packed rows
+        else:
+            cols = offs_k
+        # x (m, col) at x_ptr + m * stride_xm + col
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0)  # [BM, BK]
+        w = dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, stride_qw, stride_sg,
+                         BITS, GROUP_K, SYM, BLOCK_K)  # [BK, BN] fp32
+        acc = mma(x, w.to(x.dtype), acc, FP32_DOT)  # fp32 accumulate
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    # out (m, n) at out_ptr + m * stride_om + n
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & (offs_n < N)[None, :])
+
+
+_gemm_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET"], prune_configs_by={"early_config_prune": _prune},
+                              cache_results=True)(_gemm_kernel)
+
+
+def m_bucket(m: int) -> int:
+    """Autotune key for M: the next power of two, capped (tiles stop changing past 1024 rows)."""
+    return min(triton.next_power_of_2(m), 1024)
+
+
+def dequant_gemm(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x.dtype. `config` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M) skips autotuning."""
+    check_matmul_inputs(x, pw, bias)
+    m, k = x.shape
+    n = pw.out_features
+    assert m >= 1, "x has no rows"
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    args = (x, *weight_args(pw),
+            bias if bias is not None else x, out, m, n, k, m_bucket(m),
+            x.stride(0), out.stride(0), pw.qweight.stride(0), pw.scales.stride(0))
+    meta = dict(**weight_meta(pw), HAS_BIAS=bias is not None, FP32_DOT=fp32_dot(x.dtype))
+    if config is None:
+        grid = lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)  # noqa: E731
+        _gemm_tuned[grid](*args, **meta)
+    else:
+        _gemm_kernel[(triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)](*args, **meta, **config)
+    return out
+
+
+dequant_gemm_ref = dequant_matmul_ref

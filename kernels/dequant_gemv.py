@@ -1,0 +1,157 @@
+# dequant_gemv - x [M, K] fp16/bf16 (M <= GEMV_MAX_M) @ W'[K, N] (PackedWeight, 4/8-bit) -> out [M, N], x.dtype
+"""Decode-time dequant-GEMM: split-K over many small programs so a handful of tokens still streams the packed
+weight at full memory bandwidth.
+
+Grid (cdiv(N, BLOCK_N), SPLIT_K): program (pid_n, pid_k) owns output columns [pid_n*BLOCK_N, +BLOCK_N) and the
+K slice [pid_k*k_per_split, +k_per_split). M == 1 multiplies on the CUDA cores (broadcast x, reduce over K);
+M in 2..16 pads the rows to 16 and uses tl.dot. Accumulation is fp32 throughout.
+
+Split-K reduction in ONE launch (no memset, no cast kernel): every program atomically adds its fp32 partial
+into a per-device workspace [M, N], then bumps a per-column-tile arrival counter; the program that arrives last
+reads the finished sums, adds the bias, writes `out` in x's dtype, and puts the workspace tile and counter back
+to zero. Invariant between launches: workspace and counters are all zero. Launches on one stream are serialised,
+so the shared workspace is safe; concurrent launches on different streams of one device are not supported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import fp32_dot, mma
+from .dequantize import check_matmul_inputs, dequant_matmul_ref, dequant_tile, weight_args, weight_meta
+from .repack import PackedWeight
+
+GEMV_MAX_M = 16  # rows one launch handles (tl.dot needs a 16-row tile; more rows go to dequant_gemm)
+_MIN_BLOCK_N = 32  # smallest BLOCK_N in the configs: sizes the counter array
+
+
+def _configs() -> list[triton.Config]:
+    """Candidate tiles for H100/H200/A100-class GPUs (autotuned per (N, K, M bucket), cached on disk)."""
+    configs = []
+    for block_n in (32, 64, 128, 256):
+        for block_k in (64, 128, 256):
+            for split_k in (1, 2, 4, 8, 16):
+                for warps in (4, 8):
+                    if block_n * block_k > 256 * 128 or (warps == 8 and block_n * block_k < 128 * 128):
+                        continue
+                    configs.append(triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k},
+                                                 num_warps=warps, num_stages=3))
+    return configs
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop splits that would leave programs without a full K tile and tiles far wider than N."""
+    k, n = named_args["K"], named_args["N"]
+    kept = [c for c in configs
+            if c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"] <= max(k, c.kwargs["BLOCK_K"])
+            and c.kwargs["BLOCK_N"] <= max(_MIN_BLOCK_N, triton.next_power_of_2(n))]
+    return kept or configs[:1]
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] fp16/bf16, column stride 1
+    qw_ptr, s_ptr, z_ptr,  # PackedWeight qweight int32 [KW, N], scales fp16 [G, N], zeros uint8 [G, N]
+    perm_ptr,  # int32 [K]: x column of packed row k (read only when HAS_PERM)
+    bias_ptr,  # [N] x.dtype (read only when HAS_BIAS)
+    out_ptr,  # [M, N] x.dtype, column stride 1
+    ws_ptr,  # fp32 workspace, >= M * N elements, all zero on entry and on exit
+    cnt_ptr,  # int32 arrival counters, >= cdiv(N, BLOCK_N), all zero on entry and on exit
+    M, N, K, M_BUCKET,  # M_BUCKET: autotune key only
+    stride_xm, stride_om, stride_qw, stride_sg,
+    BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_m = tl.arange(0, BLOCK_M)  # [BM]
+    mask_m = offs_m < M
+    # K slice of this program: whole BLOCK_K tiles, so a tile never straddles a group boundary it should not
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK] packed rows
+        mask_k = offs_k < K
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)  # [BK] x columns of these packed rows
+        else:
+            cols = offs_k
+        w = dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, stride_qw, stride_sg,
+                         BITS, GROUP_K, SYM, BLOCK_K)  # [BK, BN] fp32
+        # x (m, col) at x_ptr + m * stride_xm + col; evict_last: every column tile re-reads x
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0, eviction_policy="evict_last")  # [BM, BK]
+        if BLOCK_M == 1:
+            acc += tl.sum(tl.trans(x).to(tl.float32) * w, axis=0)[None, :]  # [1, BN]
+        else:
+            acc = mma(x, w.to(x.dtype), acc, FP32_DOT)  # fp32 accumulate
+    mask_out = mask_m[:, None] & (offs_n < N)[None, :]
+    out_offs = offs_m[:, None] * stride_om + offs_n[None, :]  # (m, n) of out
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+    else:
+        ws_offs = offs_m[:, None] * N + offs_n[None, :]  # workspace (m, n), row stride N
+        tl.atomic_add(ws_ptr + ws_offs, acc, mask=mask_out, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial is issued before the counter is bumped (release below)
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            # last program of this column tile: all partials are in L2; .cg bypasses a possibly stale L1
+            total = tl.load(ws_ptr + ws_offs, mask=mask_out, other=0.0, cache_modifier=".cg")
+            tl.store(ws_ptr + ws_offs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=mask_out)
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+_gemv_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET"], prune_configs_by={"early_config_prune": _prune},
+                              cache_results=True)(_gemv_kernel)
+
+# device -> (fp32 workspace, int32 counters); grown by reserve_workspace, zero between launches
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def reserve_workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make the device's split-K workspace fit N columns (call at load time, outside CUDA-graph capture)."""
+    device = torch.device(device)
+    ws, cnt = _WORKSPACES.get(device, (None, None))
+    need_ws, need_cnt = GEMV_MAX_M * n, triton.cdiv(n, _MIN_BLOCK_N)
+    if ws is None or ws.numel() < need_ws or cnt.numel() < need_cnt:
+        size_ws = max(need_ws, 0 if ws is None else ws.numel())
+        size_cnt = max(need_cnt, 0 if cnt is None else cnt.numel())
+        _WORKSPACES[device] = (torch.zeros(size_ws, dtype=torch.float32, device=device),
+                               torch.zeros(size_cnt, dtype=torch.int32, device=device))
+    return _WORKSPACES[device]
+
+
+def dequant_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_M) -> [M, N] in x.dtype. `config` (BLOCK_N, BLOCK_K, SPLIT_K) skips autotuning."""
+    check_matmul_inputs(x, pw, bias)
+    m, k = x.shape
+    n = pw.out_features
+    assert 1 <= m <= GEMV_MAX_M, f"M={m} is outside the GEMV range 1..{GEMV_MAX_M}"
+    ws, cnt = reserve_workspace(x.device, n)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = 1 if m == 1 else 16
+    args = (x, *weight_args(pw),
+            bias if bias is not None else x, out, ws, cnt, m, n, k, block_m,
+            x.stride(0), out.stride(0), pw.qweight.stride(0), pw.scales.stride(0))
+    meta = dict(**weight_meta(pw), HAS_BIAS=bias is not None, FP32_DOT=fp32_dot(x.dtype), BLOCK_M=block_m)
+    if config is None:
+        grid = lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])  # noqa: E731
+        _gemv_tuned[grid](*args, **meta)
+    else:
+        _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]), config["SPLIT_K"])](*args, **meta, **config)
+    return out
+
+
+dequant_gemv_ref = dequant_matmul_ref
