@@ -1,0 +1,60 @@
+"""`quantkit bench serve` (load test of a live OpenAI-compatible server) and `quantkit bench throughput` (offline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+bench_app = typer.Typer(help="Measure serving: a live server's latency/throughput, or the engine offline.",
+                        no_args_is_help=True)
+
+DATASET_HELP = "sharegpt | alpacaeval | sonnet | random | FILE (.jsonl with prompt or messages, or .txt)"
+
+
+@bench_app.command("serve")
+def serve(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="base URL of any OpenAI-compatible server"),
+    model: Optional[str] = typer.Option(None, "--model", help="model name to request (default: the server's first)"),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer folder (default: --model, else bundled)"),
+    dataset: str = typer.Option("sharegpt", "--dataset", help=DATASET_HELP),
+    num_prompts: int = typer.Option(100, "--num-prompts"),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="Poisson arrivals per second; inf = all at once"),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="requests in flight at most"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="output tokens per request (default: the data's, else 128)"),
+    endpoint: str = typer.Option("/v1/chat/completions", "--endpoint", help="/v1/chat/completions or /v1/completions"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="ask the server to generate exactly max_tokens"),
+    goodput: Optional[list[str]] = typer.Option(None, "--goodput", help="SLOs in ms, e.g. --goodput ttft:500 --goodput tpot:50"),
+    save_result: Optional[Path] = typer.Option(None, "--save-result", help="write metrics + per-request records as JSON"),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="folder holding chat-sharegpt/ etc. (default ../shared/data)"),
+    seed: int = typer.Option(0, "--seed"),
+    random_input_len: int = typer.Option(256, "--random-input-len"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
+) -> None:
+    """Stream a workload at a server and print the Serving Benchmark Result block."""
+    from quantkit.benchmark.client import resolve_model_and_tokenizer, run_benchmark
+    from quantkit.benchmark.datasets import load_prompts
+    from quantkit.benchmark.metrics import compute_metrics, format_result, parse_goodput, result_json, write_json
+
+    slos = parse_goodput(goodput)
+    model_name, tok, tok_source = resolve_model_and_tokenizer(url, model, tokenizer, api_key)
+    prompts = load_prompts(dataset, num_prompts, tok, max_tokens, data_dir, seed, random_input_len=random_input_len)
+    typer.echo(f"{len(prompts)} {dataset} prompts -> {url}{endpoint} model={model_name} (tokenizer: {tok_source}); "
+               f"request rate {request_rate}, max concurrency {max_concurrency or 'unlimited'}", err=True)
+    run = run_benchmark(url, prompts, tok, model_name, endpoint, request_rate, max_concurrency, seed, ignore_eos,
+                        api_key=api_key)
+    metrics = compute_metrics(run, slos)
+    typer.echo(format_result(metrics))
+    errors = [r.error for r in run.records if r.error]
+    if errors:
+        typer.echo(f"{len(errors)} requests failed; first error: {errors[0]}", err=True)
+    if save_result is not None:
+        extra = {"dataset": dataset, "num_prompts": num_prompts, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
+                 "seed": seed}
+        write_json(save_result, result_json(run, metrics, extra))
+        typer.echo(f"wrote {save_result}", err=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
