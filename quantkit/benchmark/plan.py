@@ -1,0 +1,273 @@
+"""`quantkit plan`: size a deployment before launch, from the model's config.json and a card's datasheet.
+
+Weights: every parameter is counted from the config. Quantized (w8/w4) are the decoder Linears (q,k,v,o,gate,up,
+down): codes at bits/8 bytes each, plus per group of `group_size` input columns one fp16 scale and one zero packed
+at `bits` (the GPTQ layout; G = ceil(K / g)); embeddings, norms, biases and an untied lm_head stay fp16.
+`naive_bytes` is the back-of-envelope figure, every parameter at bits/8.
+KV: the engine's own functions (quantkit.serve.capacity), so plan and `quantkit serve` agree for the same budget.
+Roofline decode step at batch b, context c: time = max(bytes / bandwidth, flops / peak) with
+bytes = weights + b * c * KV bytes per token, flops = b * (2 * matmul params + 4 * layers * q_heads * head_dim * c).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from quantkit.errors import QuantkitError
+from quantkit.models.llama import ModelConfig
+from quantkit.serve.capacity import kv_bytes_per_token, num_kv_blocks
+
+GB = 1e9
+QUANT_BITS = {"fp16": 16, "w8": 8, "w4": 4}
+KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_gb: float  # the datasheet figure, decimal GB
+    bandwidth_gbs: float  # HBM/GDDR bandwidth, GB/s
+    tflops: float  # dense FP16/BF16 tensor-core peak (no sparsity), TFLOP/s
+
+
+# Vendor datasheet figures (SXM parts for H100/A100; A10G as AWS quotes it).
+GPUS = {
+    g.name: g
+    for g in (
+        Gpu("h100-80gb", 80, 3350, 989),
+        Gpu("h200", 141, 4800, 989),
+        Gpu("a100-80gb", 80, 2039, 312),
+        Gpu("a100-40gb", 40, 1555, 312),
+        Gpu("l4", 24, 300, 121),
+        Gpu("a10g", 24, 600, 70),
+        Gpu("rtx-4090", 24, 1008, 165),
+    )
+}
+
+
+def gpu_from_args(name: Optional[str], memory_gb: Optional[float], bandwidth_gbs: Optional[float],
+                  tflops: Optional[float]) -> Gpu:
+    """A card from the table, with any of the three figures overridden; or a custom card from all three."""
+    if name is not None:
+        if name not in GPUS:
+            raise QuantkitError(f"--gpu {name}: unknown card; use one of {', '.join(GPUS)} or --memory-gb/--bandwidth-gbs/--tflops")
+        base = GPUS[name]
+        return Gpu(name, memory_gb or base.memory_gb, bandwidth_gbs or base.bandwidth_gbs, tflops or base.tflops)
+    if memory_gb is None or bandwidth_gbs is None or tflops is None:
+        raise QuantkitError("name a card with --gpu (e.g. h100-80gb) or give all of --memory-gb, --bandwidth-gbs, --tflops")
+    return Gpu("custom", memory_gb, bandwidth_gbs, tflops)
+
+
+def quant_of_folder(hf_config: dict) -> tuple[str, int]:
+    """("fp16" | "w8" | "w4", group size) from config.json's quantization_config (GPTQ/AWQ `bits`/`group_size`,
+    compressed-tensors `config_groups.*.weights.num_bits`/`group_size`); ("fp16", 128) for a float folder."""
+    qc = hf_config.get("quantization_config") or {}
+    weights = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights") or qc
+    bits = weights.get("bits") or weights.get("num_bits")
+    group = -1 if weights.get("strategy") == "channel" else weights.get("group_size") or 128
+    if bits is None:
+        return "fp16", 128
+    if f"w{bits}" not in QUANT_BITS:
+        raise QuantkitError(f"config.json quantization_config: {bits}-bit weights are not planned; use --quant fp16|w8|w4")
+    return f"w{bits}", group
+
+
+def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(name, out N, in K) of the quantizable Linears of one decoder layer."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q),
+            ("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    params: int  # every parameter of the model
+    quantized_params: int  # decoder Linear weights (the ones w8/w4 quantize)
+    bits: int
+    group_size: int
+    naive_bytes: int  # params * bits / 8
+    stored_bytes: int  # codes + group scales/zeros + the rest at fp16 (what a checkpoint and the engine hold)
+
+
+def weight_bytes(cfg: ModelConfig, quant: str = "fp16", group_size: int = 128) -> WeightBytes:
+    if quant not in QUANT_BITS:
+        raise QuantkitError(f"--quant {quant}: use one of {', '.join(QUANT_BITS)}")
+    bits = QUANT_BITS[quant]
+    h, v, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    shapes = linear_shapes(cfg)
+    linear = sum(n * k for _, n, k in shapes) * layers
+    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    biases = layers * ((q_out + 2 * kv_out) * cfg.qkv_bias + h * cfg.o_bias + (2 * cfg.intermediate_size + h) * cfg.mlp_bias)
+    rest = v * h + (0 if cfg.tie_word_embeddings else v * h) + (2 * layers + 1) * h + biases
+    params = linear + rest
+    if bits == 16:
+        stored = 2 * params
+    else:
+        groups = sum(n * (1 if group_size == -1 else math.ceil(k / group_size)) for _, n, k in shapes) * layers
+        stored = linear * bits // 8 + groups * 2 + groups * bits // 8 + 2 * rest
+    return WeightBytes(params, linear, bits, group_size, params * bits // 8, stored)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights multiplied per generated token: the decoder Linears and the lm_head (the embedding is a lookup)."""
+    return sum(n * k for _, n, k in linear_shapes(cfg)) * cfg.num_hidden_layers + cfg.vocab_size * cfg.hidden_size
+
+
+def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int = 2) -> int:
+    """Estimate of the forward pass's live activations for one scheduler step (the engine measures its own):
+    per batched token the residual, normed input, q/k/v, attention output and gate/up/act
+    (4H + 2 * kv_heads * D + 3I values), plus fp32 logits for up to max_num_seqs sampled rows."""
+    per_token = 4 * cfg.hidden_size + 2 * cfg.num_key_value_heads * cfg.head_dim + 3 * cfg.intermediate_size
+    return max_num_batched_tokens * per_token * dtype_bytes + max_num_seqs * cfg.vocab_size * 4
+
+
+def kv_capacity(cfg: ModelConfig, kv_budget_bytes: int, block_size: int, kv_dtype_bytes: int) -> tuple[int, int]:
+    """(blocks, tokens) the engine allocates for `kv_budget_bytes` of KV memory."""
+    blocks = num_kv_blocks(kv_budget_bytes, block_size, kv_bytes_per_token(cfg, kv_dtype_bytes))
+    return blocks, blocks * block_size
+
+
+def max_concurrency(num_blocks: int, block_size: int, seq_len: int) -> int:
+    """Sequences of `seq_len` tokens that fit at once (each holds ceil(seq_len / block_size) whole blocks)."""
+    return num_blocks // math.ceil(seq_len / block_size) if seq_len > 0 else 0
+
+
+def roofline_step_s(weights: int, kv_per_token: int, cfg: ModelConfig, gpu: Gpu, batch: int, context: float) -> float:
+    """Seconds per decode step for `batch` sequences of mean `context` tokens: the slower of memory and compute."""
+    memory_s = (weights + batch * context * kv_per_token) / (gpu.bandwidth_gbs * GB)
+    flops = batch * (2 * matmul_params(cfg) + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context)
+    return max(memory_s, flops / (gpu.tflops * 1e12))
+
+
+def cost_per_million(price_per_hour: float, tokens_per_s: float) -> float:
+    return price_per_hour / 3600 / tokens_per_s * 1e6 if tokens_per_s > 0 else math.inf
+
+
+def batch_sizes(limit: int) -> list[int]:
+    """1, 2, 4, ... below `limit`, then `limit` itself."""
+    sizes, b = [], 1
+    while b < limit:
+        sizes.append(b)
+        b *= 2
+    return sizes + [limit] if limit >= 1 else []
+
+
+def make_plan(
+    cfg: ModelConfig,
+    gpu: Gpu,
+    quant: str = "fp16",
+    group_size: int = 128,
+    max_model_len: Optional[int] = None,
+    memory_fraction: float = 0.9,
+    block_size: int = 16,
+    kv_cache_dtype: str = "fp16",
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 128,
+    activation_gb: Optional[float] = None,
+    kv_cache_bytes: Optional[int] = None,
+    workload: Optional[tuple[str, list[tuple[int, int]]]] = None,
+    price_per_hour: Optional[float] = None,
+) -> dict[str, Any]:
+    """The plan as a dict (all sizes in bytes). `workload` = (name, [(prompt tokens, output tokens), ...]).
+    kv_cache_bytes: a fixed KV pool (as the engine's kv_cache_memory) instead of memory - weights - activations."""
+    if not 0 < memory_fraction <= 1:
+        raise QuantkitError(f"--memory-fraction {memory_fraction}: must be in (0, 1]")
+    if kv_cache_dtype not in KV_DTYPE_BYTES:
+        raise QuantkitError(f"--kv-cache-dtype {kv_cache_dtype}: use one of {', '.join(KV_DTYPE_BYTES)}")
+    max_len = max_model_len or cfg.max_position_embeddings
+    w = weight_bytes(cfg, quant, group_size)
+    kv_tok = kv_bytes_per_token(cfg, KV_DTYPE_BYTES[kv_cache_dtype])
+    act = round(activation_gb * GB) if activation_gb is not None else activation_bytes(cfg, max_num_batched_tokens, max_num_seqs)
+    usable = round(gpu.memory_gb * GB * memory_fraction)
+    kv_budget = kv_cache_bytes if kv_cache_bytes is not None else usable - w.stored_bytes - act
+    blocks, tokens = kv_capacity(cfg, kv_budget, block_size, KV_DTYPE_BYTES[kv_cache_dtype]) if kv_budget > 0 else (0, 0)
+    plan: dict[str, Any] = {
+        "gpu": vars(gpu),
+        "quant": quant,
+        "group_size": group_size if quant != "fp16" else None,
+        "params": w.params,
+        "quantized_params": w.quantized_params,
+        "weights_naive_bytes": w.naive_bytes,
+        "weights_bytes": w.stored_bytes,
+        "kv_bytes_per_token": kv_tok,
+        "usable_bytes": usable,
+        "memory_fraction": memory_fraction,
+        "activation_bytes": act,
+        "kv_budget_bytes": kv_budget,
+        "block_size": block_size,
+        "kv_blocks": blocks,
+        "kv_tokens": tokens,
+        "max_model_len": max_len,
+        "kv_bytes_per_seq_at_max_len": kv_tok * max_len,
+        "max_concurrency_at_max_len": max_concurrency(blocks, block_size, max_len),
+    }
+    context = float(max_len)
+    limit = plan["max_concurrency_at_max_len"]
+    if workload is not None:
+        name, lengths = workload
+        if not lengths:
+            raise QuantkitError(f"workload {name!r} has no requests")
+        mean_total = sum(p + o for p, o in lengths) / len(lengths)
+        context = sum(p + o / 2 for p, o in lengths) / len(lengths)  # mean context over a request's decode steps
+        limit = max_concurrency(blocks, block_size, math.ceil(mean_total))
+        plan["workload"] = {
+            "name": name,
+            "requests": len(lengths),
+            "mean_prompt_tokens": sum(p for p, _ in lengths) / len(lengths),
+            "mean_output_tokens": sum(o for _, o in lengths) / len(lengths),
+            "mean_total_tokens": mean_total,
+            "max_concurrency_at_mean_len": limit,
+        }
+    plan["decode_context_tokens"] = context
+    rows = []
+    for b in batch_sizes(min(limit, max_num_seqs)):
+        step = roofline_step_s(w.stored_bytes, kv_tok, cfg, gpu, b, context)
+        row = {"batch": b, "step_ms": step * 1000, "per_user_tps": 1 / step, "aggregate_tps": b / step}
+        if price_per_hour is not None:
+            row["usd_per_million_tokens"] = cost_per_million(price_per_hour, b / step)
+        rows.append(row)
+    plan["roofline"] = rows
+    plan["price_per_hour"] = price_per_hour
+    return plan
+
+
+def format_plan(plan: dict[str, Any], model_name: str) -> str:
+    gpu = plan["gpu"]
+    gb = lambda n: f"{n / GB:.2f} GB"  # noqa: E731
+    quant = plan["quant"] + (f" (group {plan['group_size']})" if plan["group_size"] else "")
+    lines = [
+        f"model {model_name}: {plan['params'] / 1e9:.3f} B parameters ({plan['quantized_params'] / 1e9:.3f} B in quantizable Linears)",
+        f"card {gpu['name']}: {gpu['memory_gb']:g} GB, {gpu['bandwidth_gbs']:g} GB/s, {gpu['tflops']:g} TFLOP/s",
+        f"weights {quant}: {gb(plan['weights_bytes'])} as stored "
+        f"(every parameter at bits/8 would be {gb(plan['weights_naive_bytes'])})",
+        f"KV cache per token: {plan['kv_bytes_per_token']} bytes ({plan['kv_bytes_per_token'] / 1e6:.3f} MB)",
+        f"memory: {gb(plan['usable_bytes'])} usable at fraction {plan['memory_fraction']:g} - weights "
+        f"- {gb(plan['activation_bytes'])} activations = {gb(plan['kv_budget_bytes'])} for KV",
+        f"KV capacity: {plan['kv_blocks']} blocks of {plan['block_size']} = {plan['kv_tokens']} tokens",
+        f"KV of one sequence at max_model_len {plan['max_model_len']}: {gb(plan['kv_bytes_per_seq_at_max_len'])}; "
+        f"max concurrency there: {plan['max_concurrency_at_max_len']}",
+    ]
+    if "workload" in plan:
+        wl = plan["workload"]
+        lines.append(
+            f"workload {wl['name']} ({wl['requests']} requests): mean {wl['mean_prompt_tokens']:.0f} prompt + "
+            f"{wl['mean_output_tokens']:.0f} output tokens; max concurrency at its mean length "
+            f"{wl['mean_total_tokens']:.0f}: {wl['max_concurrency_at_mean_len']}"
+        )
+    if plan["kv_budget_bytes"] <= 0:
+        lines.append("does not fit: weights and activations exceed the usable memory (quantize, or a bigger card)")
+        return "\n".join(lines)
+    price = plan["price_per_hour"]
+    lines.append(f"roofline decode at mean context {plan['decode_context_tokens']:.0f} tokens"
+                 + (f", at ${price:g}/hour" if price is not None else "") + ":")
+    header = f"{'batch':>6} {'step ms':>9} {'tok/s/user':>11} {'tok/s total':>12}" + ("  $/M tokens" if price is not None else "")
+    lines.append(header)
+    for r in plan["roofline"]:
+        line = f"{r['batch']:>6} {r['step_ms']:>9.2f} {r['per_user_tps']:>11.1f} {r['aggregate_tps']:>12.1f}"
+        if price is not None:
+            line += f"  {r['usd_per_million_tokens']:>11.3f}"
+        lines.append(line)
+    return "\n".join(lines)
