@@ -32,8 +32,9 @@ TOKEN = " hello"
 class StreamServer:
     """A deterministic OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions (stream only)."""
 
-    def __init__(self, send_usage: bool = True):
+    def __init__(self, send_usage: bool = True, gap_per_inflight: bool = False):
         self.send_usage = send_usage
+        self.gap_per_inflight = gap_per_inflight  # a "batching" server: each token gap = GAP_S x requests in flight
         self.writes: dict[str, list[float]] = {}  # prompt -> perf_counter of each token chunk written
         self.inflight = 0
         self.max_inflight = 0
@@ -78,7 +79,8 @@ class StreamServer:
                     yield "data: [DONE]\n\n"
                     return
                 for i in range(n):
-                    await asyncio.sleep(FIRST_S if i == 0 else GAP_S)
+                    gap = GAP_S * (self.inflight if self.gap_per_inflight else 1)
+                    await asyncio.sleep(FIRST_S if i == 0 else gap)
                     times.append(time.perf_counter())
                     yield event(choice(TOKEN))
                 yield event(choice("", "length"))
@@ -123,6 +125,12 @@ def running(server: StreamServer):
 @pytest.fixture(scope="module")
 def live():
     with running(StreamServer(send_usage=True)) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def live_batching():
+    with running(StreamServer(gap_per_inflight=True)) as pair:
         yield pair
 
 
@@ -316,3 +324,32 @@ def test_datasets(shared_data, tokenizer, tmp_path):
         load_prompts(str(f), 1, tokenizer)
     with pytest.raises(QuantkitError, match="--data-dir"):
         load_prompts("sharegpt", 1, tokenizer, data_dir=tmp_path)
+
+
+def test_tune_finds_the_largest_batch_keeping_the_floor(live_batching, tokenizer, tmp_path):
+    """Token gaps of GAP_S x batch: 25 tok/s per user at batch 1, 12.5 at 2, 6.25 at 4. A floor of 10 keeps batch 2."""
+    import matplotlib.pyplot as plt
+
+    from quantkit.benchmark.charts import draw_tune_charts
+    from quantkit.benchmark.tune import format_tune, sweep
+
+    _, url = live_batching
+    prompts_file = tmp_path / "p.txt"
+    prompts_file.write_text("\n".join(f"tune-{i}" for i in range(16)))
+    result = sweep(url, "stream-test", tokenizer, 10.0, str(prompts_file), max_tokens=6, max_batch=16, rounds=1,
+                   price_per_hour=3.6)
+    steps = result["steps"]
+    assert [s["concurrency"] for s in steps] == [1, 2, 4]  # stops at the first step under the floor
+    assert [s["meets_floor"] for s in steps] == [True, True, False]
+    assert result["recommended_max_num_seqs"] == 2
+    for s in steps:
+        ideal = 1 / (GAP_S * s["concurrency"])
+        assert 0.7 * ideal <= s["per_user_tps"] <= ideal * 1.02  # the server's pace, minus loopback overhead
+        assert s["usd_per_million_tokens"] == pytest.approx(3.6 / 3600 / s["aggregate_tps"] * 1e6)
+        assert s["aggregate_tps"] == pytest.approx(s["concurrency"] * 6 / s["duration_s"])
+    assert "recommended: --max-num-seqs 2" in format_tune(result)
+    paths = draw_tune_charts(result, tmp_path / "charts")
+    assert [p.name for p in paths] == ["tune_throughput.png", "tune_cost.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert plt.imread(path).shape[:2] == (495, 770)  # 7 x 4.5 inches at 110 dpi
