@@ -30,11 +30,21 @@ PROGRAMS_PER_SM = 4  # split the context until S * Hkv * splits fills the GPU th
 
 
 @triton.jit
-def token_rows(bt_row_ptr, offs_t, mask_t, block_size, stride_kb, stride_ks):
-    """Offsets (int64 [BLOCK_N]) of tokens offs_t of one sequence in a cache [num_blocks, block_size, ...]:
-    block_tables row -> physical block, then block * stride_kb + (t % block_size) * stride_ks."""
+def kv_tile(q, k_ptr, v_ptr, bt_row_ptr, t0, t_end, offs_d, mask_d, kv_head, block_size, stride_kb, stride_ks,
+            qk_scale, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens [t0, t0 + BLOCK_N) of one sequence (those >= t_end masked) for the query rows q [BM, BD]:
+    -> (offs_t [BN], scores [BM, BN] fp32 in log2 units, -inf where t >= t_end, v [BN, BD]).
+    Token t's row: block = block_tables row [t // block_size], at block * stride_kb + (t % block_size) * stride_ks
+    + kv_head (the kv head's offset) in the cache [num_blocks, block_size, Hkv, D]."""
+    offs_t = t0 + tl.arange(0, BLOCK_N)  # [BN] token positions
+    mask_t = offs_t < t_end
     block = tl.load(bt_row_ptr + offs_t // block_size, mask=mask_t, other=0).to(tl.int64)  # [BN] physical blocks
-    return block * stride_kb + (offs_t % block_size).to(tl.int64) * stride_ks
+    rows = block * stride_kb + (offs_t % block_size).to(tl.int64) * stride_ks + kv_head  # [BN]
+    mask_td = mask_t[:, None] & mask_d[None, :]
+    k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=mask_td, other=0.0)  # [BN, BD]
+    v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=mask_td, other=0.0)  # [BN, BD]
+    scores = mma(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_N), dtype=tl.float32), FP32_DOT) * qk_scale
+    return offs_t, tl.where(mask_t[None, :], scores, float("-inf")), v
 
 
 @triton.jit
@@ -85,14 +95,8 @@ def _decode_split_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     kv_head = kvh.to(tl.int64) * stride_kh
     for t0 in range(t_begin, t_end, BLOCK_N):
-        offs_t = t0 + tl.arange(0, BLOCK_N)  # [BN] token positions
-        mask_t = offs_t < t_end
-        rows = token_rows(bt_ptr + s * stride_bt, offs_t, mask_t, block_size, stride_kb, stride_ks) + kv_head
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=mask_td, other=0.0)  # [BN, BD]
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=mask_td, other=0.0)  # [BN, BD]
-        scores = mma(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32), FP32_DOT) * qk_scale
-        scores = tl.where(mask_t[None, :], scores, float("-inf"))
+        _, scores, v = kv_tile(q, k_ptr, v_ptr, bt_ptr + s * stride_bt, t0, t_end, offs_d, mask_d, kv_head,
+                               block_size, stride_kb, stride_ks, qk_scale, FP32_DOT, BLOCK_N)  # [BH, BN], [BN, BD]
         m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, FP32_DOT)
 
     if NUM_SPLITS == 1:

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import fp32_dot, mma
-from .paged_attention import LOG2E, attention_ref, check_paged_inputs, gather_kv, softmax_step, token_rows
+from .common import fp32_dot
+from .paged_attention import LOG2E, attention_ref, check_paged_inputs, gather_kv, kv_tile, softmax_step
 
 PREFILL_BLOCK_M = 64  # query rows per program on a GPU
 PREFILL_BLOCK_N = 64  # tokens per K/V tile on a GPU
@@ -66,16 +66,10 @@ def _prefill_kernel(
     t_end = tl.where(pid_m * BLOCK_M < q_len, tl.minimum(seq_len, ctx + (pid_m + 1) * BLOCK_M), 0)
     kv_head = (h // GROUP).to(tl.int64) * stride_kh
     for t0 in range(0, t_end, BLOCK_N):
-        offs_t = t0 + tl.arange(0, BLOCK_N)  # [BN] token positions
-        mask_t = offs_t < t_end
-        rows = token_rows(bt_ptr + s * stride_bt, offs_t, mask_t, block_size, stride_kb, stride_ks) + kv_head
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=mask_td, other=0.0)  # [BN, BD]
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=mask_td, other=0.0)  # [BN, BD]
-        scores = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_DOT) * qk_scale
+        offs_t, scores, v = kv_tile(q, k_ptr, v_ptr, bt_ptr + s * stride_bt, t0, t_end, offs_d, mask_d, kv_head,
+                                    block_size, stride_kb, stride_ks, qk_scale, FP32_DOT, BLOCK_N)
         # causal: row sees token t iff t <= pos; token 0 is visible to every row, so no row is all -inf
-        visible = mask_t[None, :] & (offs_t[None, :] <= pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
+        scores = tl.where(offs_t[None, :] <= pos[:, None], scores, float("-inf"))
         m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, FP32_DOT)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only on rows past the chunk (not stored)
