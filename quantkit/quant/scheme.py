@@ -1,0 +1,204 @@
+"""THE format: what a quantized weight is inside quantkit, in pure torch.
+
+A Linear has weight W [N, K] (N = out_features, K = in_features, y = x @ W.T). Quantized with b bits
+(maxq = 2^b - 1) and group size g (-1: one group spanning all of K), it becomes a QTensor:
+
+    codes  uint8   [N, K]  unsigned integer codes in [0, maxq]
+    zeros  uint8   [N, G]  unsigned zero points in [0, maxq]          (G = K / g, or 1 for per-channel)
+    scales float16 [N, G]
+    g_idx  int32   [K]     group of each input column, or None meaning grp(k) = k // g (act-order makes it
+                           non-monotonic: columns are grouped in the order GPTQ visited them)
+
+    W'[n, k] = scales[n, grp(k)] * (codes[n, k] - zeros[n, grp(k)])
+
+Every on-disk layout (quantkit/formats/) stores exactly these integers; every kernel is tested against
+`dequantize` below. Quantizer conventions (FORMATS.md), chosen so the codes mean the same to every reader:
+  asymmetric  min/max of the group widened to include 0; scale = (max - min) / maxq;
+              zero = clamp(round(-min / scale), 0, maxq)
+  symmetric   zero = 2^(b-1) (8 at 4 bit, 128 at 8 bit); scale = absmax / (maxq / 2)   (absmax / 7.5 at 4 bit)
+  both        q = clamp(round(w / scale) + zero, 0, maxq)
+The scale is rounded to float16 *before* the codes are computed, so the codes are optimal for the scale that is
+stored on disk and memory and disk agree exactly. Empty (all-zero) groups get the floor scale SCALE_FLOOR, never 0
+or NaN.
+
+Packing (`pack` / `unpack`): p = 32 / b codes per int32 word along one dimension, sequential, the lowest index in
+the lowest bits: element i of a run of p sits at bits [b*i, b*(i+1)). The AWQ interleave is a column permutation
+applied before this sequential packing (quantkit/formats/awq.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from quantkit.config import QuantScheme
+from quantkit.errors import QuantkitError
+
+# Smallest scale a group may get (all-zero groups); representable in float16 (subnormal), so never rounds to 0.
+SCALE_FLOOR = 1e-6
+_FP16_MAX = 65504.0
+
+
+@dataclass
+class QTensor:
+    """The canonical quantized weight of one Linear (see the module docstring for the meaning of each field)."""
+
+    codes: torch.Tensor  # uint8 [N, K]
+    zeros: torch.Tensor  # uint8 [N, G]
+    scales: torch.Tensor  # float16 [N, G]
+    g_idx: Optional[torch.Tensor]  # int32 [K] or None (= k // g)
+    bits: int
+    group_size: int  # -1 = per-channel (G = 1)
+    sym: bool
+
+    def __post_init__(self):
+        n, k = self.codes.shape
+        groups = num_groups(k, self.group_size)
+        if self.codes.dtype != torch.uint8 or self.zeros.dtype != torch.uint8:
+            raise QuantkitError(f"QTensor codes/zeros must be uint8, got {self.codes.dtype}/{self.zeros.dtype}")
+        if self.scales.dtype != torch.float16:
+            raise QuantkitError(f"QTensor scales must be float16, got {self.scales.dtype}")
+        if tuple(self.zeros.shape) != (n, groups) or tuple(self.scales.shape) != (n, groups):
+            raise QuantkitError(
+                f"QTensor zeros {tuple(self.zeros.shape)} / scales {tuple(self.scales.shape)} do not match "
+                f"[{n}, {groups}] for codes [{n}, {k}] at group_size {self.group_size}"
+            )
+        if self.g_idx is not None and (self.g_idx.dtype != torch.int32 or tuple(self.g_idx.shape) != (k,)):
+            raise QuantkitError(f"QTensor g_idx must be int32 [{k}], got {self.g_idx.dtype} {tuple(self.g_idx.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) = (out_features, in_features)."""
+        return tuple(self.codes.shape)
+
+    @property
+    def maxq(self) -> int:
+        return (1 << self.bits) - 1
+
+    def group_index(self) -> torch.Tensor:
+        """grp(k) int64 [K]: g_idx if present, else k // g."""
+        return group_index(self.codes.shape[1], self.group_size, self.g_idx, self.codes.device)
+
+    def to(self, device) -> "QTensor":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return QTensor(move(self.codes), move(self.zeros), move(self.scales), move(self.g_idx), self.bits,
+                       self.group_size, self.sym)
+
+
+def num_groups(in_features: int, group_size: int) -> int:
+    """G for K columns at group size g (-1 -> 1). Callers validate divisibility via QuantScheme.groups."""
+    return 1 if group_size == -1 else -(-in_features // group_size)
+
+
+def group_index(in_features: int, group_size: int, g_idx: Optional[torch.Tensor], device=None) -> torch.Tensor:
+    """grp(k) int64 [K]."""
+    if g_idx is not None:
+        return g_idx.to(device=device, dtype=torch.int64)
+    if group_size == -1:
+        return torch.zeros(in_features, dtype=torch.int64, device=device)
+    return torch.arange(in_features, device=device) // group_size
+
+
+def canonical_g_idx(g_idx: Optional[torch.Tensor], in_features: int, group_size: int) -> Optional[torch.Tensor]:
+    """None when g_idx is the default k // g (so equal weights compare equal), else int32 [K]."""
+    if g_idx is None:
+        return None
+    g_idx = g_idx.to(torch.int32)
+    default = group_index(in_features, group_size, None, g_idx.device).to(torch.int32)
+    return None if torch.equal(g_idx, default) else g_idx
+
+
+def fit_qparams(w: torch.Tensor, scheme: QuantScheme, g_idx: Optional[torch.Tensor] = None, layer: str = ""
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (scales float16 [N, G], zeros uint8 [N, G]) by min/max per group (module docstring).
+
+    g_idx [K] (optional) assigns columns to groups (act-order); otherwise groups are contiguous runs of g.
+    Raises QuantkitError naming `layer` when the group size does not divide K.
+    """
+    n, k = w.shape
+    groups = scheme.groups(k, layer)
+    w = w.float()
+    if not torch.isfinite(w).all():
+        raise QuantkitError(f"layer {layer or '?'}: weight has NaN/inf values; fix the model before quantizing")
+    if g_idx is None:
+        wg = w.reshape(n, groups, k // groups)  # [N, G, g]
+        wmin, wmax = wg.amin(dim=2), wg.amax(dim=2)  # [N, G]
+    else:
+        index = g_idx.to(device=w.device, dtype=torch.int64).expand(n, k)
+        wmin = torch.zeros(n, groups, device=w.device).scatter_reduce(1, index, w, "amin", include_self=False)
+        wmax = torch.zeros(n, groups, device=w.device).scatter_reduce(1, index, w, "amax", include_self=False)
+    maxq = scheme.maxq
+    if scheme.sym:
+        absmax = torch.maximum(wmin.abs(), wmax.abs())
+        scales = _round_scale(absmax / (maxq / 2))
+        zeros = torch.full_like(scales, float(1 << (scheme.bits - 1)))
+    else:
+        wmin, wmax = wmin.clamp(max=0), wmax.clamp(min=0)  # the range always contains 0 (exact zeros stay exact)
+        scales = _round_scale((wmax - wmin) / maxq)
+        zeros = torch.round(-wmin / scales.float()).clamp(0, maxq)
+    return scales, zeros.to(torch.uint8)
+
+
+def _round_scale(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scale -> float16, floored (never 0, never NaN) and kept finite."""
+    return torch.nan_to_num(scale, nan=SCALE_FLOOR).clamp(SCALE_FLOOR, _FP16_MAX).to(torch.float16)
+
+
+def quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
+             g_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """w [N, K] float, scales [N, G], zeros [N, G] -> codes uint8 [N, K] = clamp(round(w / s) + z, 0, maxq)."""
+    grp = group_index(w.shape[1], group_size, g_idx, w.device)
+    s = scales.float()[:, grp]  # [N, K]
+    z = zeros.float()[:, grp]  # [N, K]
+    q = torch.round(w.float() / s) + z
+    return q.clamp(0, (1 << bits) - 1).to(torch.uint8)
+
+
+def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """QTensor -> W' [N, K] in `dtype` (computed in fp32): scales[n, grp(k)] * (codes[n, k] - zeros[n, grp(k)])."""
+    n, k = qt.shape
+    if qt.g_idx is None and k % qt.scales.shape[1] == 0:  # contiguous groups: broadcast instead of gathering
+        groups = qt.scales.shape[1]
+        codes = qt.codes.float().view(n, groups, k // groups)  # [N, G, g]
+        w = qt.scales.float().unsqueeze(2) * (codes - qt.zeros.float().unsqueeze(2))
+        return w.view(n, k).to(dtype)
+    grp = qt.group_index()
+    w = qt.scales.float()[:, grp] * (qt.codes.float() - qt.zeros.float()[:, grp])
+    return w.to(dtype)
+
+
+def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, layer: str = "") -> QTensor:
+    """Round-to-nearest: w [N, K] -> QTensor with min/max qparams per contiguous group (no act-order)."""
+    scales, zeros = fit_qparams(w, scheme, layer=layer)
+    codes = quantize(w, scales, zeros, scheme.bits, scheme.group_size)
+    return QTensor(codes, zeros, scales, None, scheme.bits, scheme.group_size, scheme.sym)
+
+
+def pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """codes [..] integers in [0, 2^bits - 1] -> int32 words, p = 32 / bits codes per word along `dim`.
+
+    Sequential: code i of a run of p sits at bits [bits*i, bits*(i+1)) of its word (lowest index lowest bits).
+    A dim whose size is not a multiple of p is zero-padded (unpack takes the true size back).
+    """
+    p = 32 // bits
+    x = codes.movedim(dim, -1).to(torch.int64)  # [..., S]
+    pad = -x.shape[-1] % p
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    x = x.reshape(*x.shape[:-1], -1, p)  # [..., S/p, p]
+    shifts = torch.arange(p, device=x.device, dtype=torch.int64) * bits
+    words = (x << shifts).sum(dim=-1)  # [..., S/p] in [0, 2^32)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # same 32 bits as a signed int32
+    return words.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def unpack(words: torch.Tensor, bits: int, dim: int, size: int) -> torch.Tensor:
+    """int32 words -> uint8 codes with `size` entries along `dim` (inverse of `pack`)."""
+    p = 32 // bits
+    x = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF  # [..., W] as unsigned
+    shifts = torch.arange(p, device=x.device, dtype=torch.int64) * bits
+    codes = (x.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., W, p]
+    codes = codes.reshape(*x.shape[:-1], -1)[..., :size]
+    return codes.to(torch.uint8).movedim(-1, dim).contiguous()
