@@ -82,6 +82,9 @@ def _gemm_kernel(
              mask=mask_m[:, None] & (offs_n < N)[None, :])
 
 
+# the CPU interpreter cannot time configs: it runs this small one
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
+
 _gemm_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET"], prune_configs_by={"early_config_prune": _prune},
                               cache_results=True)(_gemm_kernel)
 
@@ -103,6 +106,8 @@ def dequant_gemm(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
             bias if bias is not None else x, out, m, n, k, m_bucket(m),
             x.stride(0), out.stride(0), pw.qweight.stride(0), pw.scales.stride(0))
     meta = dict(**weight_meta(pw), HAS_BIAS=bias is not None, FP32_DOT=fp32_dot(x.dtype))
+    if config is None and triton.knobs.runtime.interpret:
+        config = INTERPRETER_CONFIG
     if config is None:
         grid = lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)  # noqa: E731
         _gemm_tuned[grid](*args, **meta)

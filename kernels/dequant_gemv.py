@@ -112,6 +112,9 @@ def _gemv_kernel(
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
+# the CPU interpreter cannot time configs: it runs this small one
+INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}
+
 _gemv_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET"], prune_configs_by={"early_config_prune": _prune},
                               cache_results=True)(_gemv_kernel)
 
@@ -146,6 +149,8 @@ def dequant_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
             bias if bias is not None else x, out, ws, cnt, m, n, k, block_m,
             x.stride(0), out.stride(0), pw.qweight.stride(0), pw.scales.stride(0))
     meta = dict(**weight_meta(pw), HAS_BIAS=bias is not None, FP32_DOT=fp32_dot(x.dtype), BLOCK_M=block_m)
+    if config is None and triton.knobs.runtime.interpret:
+        config = INTERPRETER_CONFIG
     if config is None:
         grid = lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])  # noqa: E731
         _gemv_tuned[grid](*args, **meta)
