@@ -1,0 +1,337 @@
+"""Quantized checkpoint folders: write one atomically in any layout, read one (quantkit's or another tool's).
+
+A folder holds config.json (with quantization_config), model.safetensors (or model-0000i-of-0000n.safetensors +
+model.safetensors.index.json past MAX_SHARD_BYTES), tokenizer files, generation_config.json and quantkit.json
+(the caller's meta + layout + scheme + quantkit version + sha256 of every other file). QLinear modules are written
+in the chosen layout (gptq | gptq_v2 | awq | compressed-tensors); every other tensor (embeddings, norms,
+lm_head, biases of float Linears) in the base model dtype; a tied lm_head is not written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from quantkit.config import LAYOUTS, QuantScheme
+from quantkit.errors import QuantkitError
+from quantkit.formats import awq, compressed_tensors, gptq
+from quantkit.quant.qlinear import QLinear
+from quantkit.quant.scheme import QTensor
+
+MAX_SHARD_BYTES = 2 * 1024**3
+META_FILE = "quantkit.json"
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    marker: str  # the tensor suffix every quantized Linear of this layout has
+    suffixes: tuple[str, ...]  # all tensor suffixes the layout owns (bias aside)
+    write: Callable[[QTensor, str], dict[str, torch.Tensor]]  # (qt, module) -> {suffix: tensor}
+    read: Callable[[dict[str, torch.Tensor], dict, str], QTensor]  # ({suffix: tensor}, quantization_config, module)
+
+
+_LAYOUTS = {
+    "gptq": _Layout("qweight", gptq.SUFFIXES, lambda qt, m: gptq.linear_tensors(qt, m, v1=True), gptq.read_linear),
+    "gptq_v2": _Layout("qweight", gptq.SUFFIXES, lambda qt, m: gptq.linear_tensors(qt, m, v1=False), gptq.read_linear),
+    "awq": _Layout("qweight", awq.SUFFIXES, awq.linear_tensors, awq.read_linear),
+    "compressed-tensors": _Layout("weight_packed", compressed_tensors.SUFFIXES, compressed_tensors.linear_tensors,
+                                  compressed_tensors.read_linear),
+}
+
+
+@dataclass
+class QuantizedFolder:
+    hf_config: dict
+    float_tensors: dict[str, torch.Tensor]  # HF name -> tensor, as stored (embeddings, norms, lm_head, ...)
+    qlinears: dict[str, tuple[QTensor, Optional[torch.Tensor]]]  # module name -> (QTensor, bias or None)
+    meta: Optional[dict]  # quantkit.json, or None for another tool's folder
+    layout: str
+
+
+def qlinear_modules(model: nn.Module) -> dict[str, QLinear]:
+    """Every QLinear of `model` by module name (HF naming)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QLinear)}
+
+
+def base_dtype(hf_config: dict) -> torch.dtype:
+    """The dtype unquantized tensors are written in: config.json torch_dtype/dtype, float16 when absent."""
+    name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float16").replace("torch.", "")
+    if name not in _DTYPES:
+        raise QuantkitError(f"config.json torch_dtype {name!r} is not supported: use float16, bfloat16 or float32")
+    return _DTYPES[name]
+
+
+# ----------------------------------------------------------------------------------------------------- writing
+
+
+def save_checkpoint(out_dir, model: nn.Module, hf_config: dict, tokenizer, layout: str, meta: dict,
+                    max_shard_bytes: int = MAX_SHARD_BYTES, generation_config: Optional[dict] = None) -> Path:
+    """Write `model` (QLinear modules + float tensors) as a checkpoint folder at `out_dir`, atomically.
+
+    meta: JSON-serialisable facts for quantkit.json (method, calibration stats, per-layer report, ...); an optional
+    meta["scheme"]["static_groups"] and meta["damp_percent"] go into the GPTQ quantization_config.
+    generation_config: generation_config.json contents (default: bos/eos/pad token ids from hf_config).
+    """
+    if layout not in LAYOUTS:
+        raise QuantkitError(f"--format {layout!r} is not a layout: use one of {', '.join(LAYOUTS)}")
+    out = Path(out_dir).expanduser().resolve()
+    qlinears = qlinear_modules(model)
+    if not qlinears:
+        raise QuantkitError("the model has no quantized (QLinear) modules to save: quantize it first")
+    scheme = _uniform_scheme(qlinears, layout, (meta.get("scheme") or {}).get("static_groups", False))
+    dtype = base_dtype(hf_config)
+    skipped = sorted(name for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head")
+    tensors = _quantized_tensors(qlinears, layout, dtype)
+    tensors.update(_float_tensors(model, qlinears, hf_config, dtype))
+
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    config.setdefault("torch_dtype", str(dtype).replace("torch.", ""))
+    config["quantization_config"] = quantization_config(scheme, layout, config.get("model_type", "llama"), skipped,
+                                                        meta.get("damp_percent"))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write_safetensors(tmp, tensors, max_shard_bytes)
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", generation_config or _generation_defaults(hf_config))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        from quantkit import __version__
+
+        record = {**meta, "layout": layout, "scheme": _scheme_dict(scheme), "quantkit_version": __version__,
+                  "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}}
+        _write_json(tmp / META_FILE, record)
+        for f in tmp.iterdir():
+            _fsync(f)
+        _fsync(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def quantization_config(scheme: QuantScheme, layout: str, model_type: str, skipped: list[str],
+                        damp_percent: Optional[float] = None) -> dict:
+    """config.json quantization_config for `layout` (FORMATS.md); `skipped` Linears stay unquantized."""
+    if layout in ("gptq", "gptq_v2"):
+        return gptq.quantization_config(scheme, layout, model_type, skipped, damp_percent)
+    if layout == "awq":
+        return awq.quantization_config(scheme, skipped)
+    return compressed_tensors.quantization_config(scheme, skipped)
+
+
+def _uniform_scheme(qlinears: dict[str, QLinear], layout: str, static_groups: bool) -> QuantScheme:
+    """The one scheme every QLinear shares (a quantization_config describes one); act_order if any has g_idx."""
+    first_name, first = next(iter(qlinears.items()))
+    for name, m in qlinears.items():
+        if (m.bits, m.group_size, m.sym) != (first.bits, first.group_size, first.sym):
+            raise QuantkitError(
+                f"layers {first_name} ({first.bits}-bit g{first.group_size} sym={first.sym}) and {name} "
+                f"({m.bits}-bit g{m.group_size} sym={m.sym}) differ: a {layout} checkpoint holds one scheme"
+            )
+    act_order = any(m.g_idx is not None for m in qlinears.values()) or static_groups
+    return QuantScheme(first.bits, first.group_size, first.sym, act_order, static_groups)
+
+
+def _scheme_dict(scheme: QuantScheme) -> dict:
+    return {"bits": scheme.bits, "group_size": scheme.group_size, "sym": scheme.sym,
+            "act_order": scheme.act_order, "static_groups": scheme.static_groups, "name": scheme.name()}
+
+
+def _quantized_tensors(qlinears: dict[str, QLinear], layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, m in qlinears.items():
+        parts = _LAYOUTS[layout].write(m.qtensor().to("cpu"), name)
+        out.update({f"{name}.{suffix}": t.contiguous() for suffix, t in parts.items()})
+        if m.bias is not None:
+            out[f"{name}.bias"] = m.bias.detach().to("cpu", dtype).contiguous()
+    return out
+
+
+def _float_tensors(model: nn.Module, qlinears: dict[str, QLinear], hf_config: dict, dtype: torch.dtype
+                   ) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers outside the QLinears, in `dtype`; a tied lm_head is left out."""
+    inside = tuple(f"{name}." for name in qlinears)
+    tied = hf_config.get("tie_word_embeddings", False)
+    out = {}
+    for key, t in model.state_dict().items():
+        if key.startswith(inside) or (tied and key == "lm_head.weight"):
+            continue
+        out[key] = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+    return out
+
+
+def _write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when the total exceeds max_shard_bytes."""
+    from safetensors.torch import save_file
+
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    total = sum(nbytes(t) for t in tensors.values())
+    if total <= max_shard_bytes:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):  # greedy, in name order; a tensor larger than the limit gets a shard of its own
+        if shards[-1] and size + nbytes(tensors[name]) > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes(tensors[name])
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    _write_json(folder / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _generation_defaults(hf_config: dict) -> dict:
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {k: hf_config[k] for k in keys if hf_config.get(k) is not None}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished folder into place; an existing checkpoint at `out` is replaced, anything else refused."""
+    if out.exists():
+        if not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file()):
+            raise QuantkitError(f"{out} exists and is not a model folder: choose another --out or remove it")
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)  # the old folder stays whole until the new one is in place
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+    _fsync(out.parent)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------- reading
+
+
+def read_quantized(folder) -> QuantizedFolder:
+    """Read a quantized folder (quantkit's, or GPTQModel/AutoGPTQ, AutoAWQ, llm-compressor output).
+
+    Verifies the sha256 of every file quantkit.json lists; a missing, modified or truncated file is a QuantkitError
+    naming it.
+    """
+    folder = Path(folder)
+    meta = _verified_meta(folder)
+    hf_config = _read_json(folder / "config.json")
+    qcfg = _quantization_config(folder, hf_config)
+    layout = detect_layout(qcfg, folder)
+    tensors = read_tensors(folder)
+    spec = _LAYOUTS[layout]
+    marker = spec.marker
+    modules = sorted(key[: -len(marker) - 1] for key in tensors if key.endswith("." + marker))
+    if not modules:
+        raise QuantkitError(f"{folder}: config.json says {layout} but no tensor ends in .{marker}")
+    qlinears = {}
+    for module in modules:
+        parts = {s: tensors.pop(f"{module}.{s}") for s in spec.suffixes if f"{module}.{s}" in tensors}
+        qlinears[module] = (spec.read(parts, qcfg, module), tensors.pop(f"{module}.bias", None))
+    return QuantizedFolder(hf_config, tensors, qlinears, meta, layout)
+
+
+def detect_layout(qcfg: dict, folder: Path) -> str:
+    """quantization_config -> gptq | gptq_v2 | awq | compressed-tensors."""
+    method = qcfg.get("quant_method")
+    if method == "gptq":
+        return gptq.checkpoint_format(qcfg)
+    if method == "awq":
+        return "awq"
+    if method == "compressed-tensors":
+        if qcfg.get("format") != "pack-quantized":
+            raise QuantkitError(f"{folder / 'config.json'}: compressed-tensors format {qcfg.get('format')!r} is not supported: quantkit reads pack-quantized")
+        return "compressed-tensors"
+    raise QuantkitError(f"{folder / 'config.json'}: quantization_config.quant_method {method!r} is not supported: quantkit reads gptq, awq and compressed-tensors")
+
+
+def _quantization_config(folder: Path, hf_config: dict) -> dict:
+    """config.json quantization_config; older AutoGPTQ/AutoAWQ folders keep it in quantize_config.json /
+    quant_config.json instead."""
+    if hf_config.get("quantization_config"):
+        return hf_config["quantization_config"]
+    if (folder / "quantize_config.json").is_file():
+        return {"quant_method": "gptq", **_read_json(folder / "quantize_config.json")}
+    if (folder / "quant_config.json").is_file():
+        return {"quant_method": "awq", **_read_json(folder / "quant_config.json")}
+    raise QuantkitError(f"{folder / 'config.json'}: no quantization_config: not a quantized checkpoint")
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors or of the shards model.safetensors.index.json names."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise QuantkitError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        path = folder / shard
+        if not path.is_file():
+            raise QuantkitError(f"{path}: missing (named by model.safetensors.index.json)")
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+            raise QuantkitError(f"{path}: cannot read safetensors file ({e}): the file is damaged or truncated") from None
+    return tensors
+
+
+def _verified_meta(folder: Path) -> Optional[dict]:
+    """quantkit.json (None when absent), after checking the sha256 of every file it lists."""
+    path = folder / META_FILE
+    if not path.is_file():
+        return None
+    meta = _read_json(path)
+    for name, digest in (meta.get("files") or {}).items():
+        f = folder / name
+        if not f.is_file():
+            raise QuantkitError(f"{f}: missing (listed in {META_FILE}): the checkpoint is incomplete")
+        if _sha256(f) != digest:
+            raise QuantkitError(f"{f}: sha256 does not match {META_FILE} (file modified or truncated): re-create or re-download the checkpoint")
+    return meta
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise QuantkitError(f"{path}: missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise QuantkitError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
