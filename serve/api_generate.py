@@ -224,10 +224,11 @@ class Generation:
             async for i, out in _merge(streams):
                 self.trackers[i].observe(out)
                 yield i, out
+        except ValueError as e:  # the engine refused the request (add_request validates it)
+            raise APIError(400, str(e)) from None
         finally:
             for rid, tracker in zip(self.engine_ids, self.trackers):
                 if not tracker.done:
-                    tracker.aborted()
                     result = engine.abort(rid)
                     if inspect.isawaitable(result):
                         await result

@@ -1,8 +1,8 @@
 """Prometheus metrics for /metrics, named as vLLM names them with the prefix `quantkit:`.
 
 The text exposition format (version 0.0.4) is written here: counters get a `_total` sample, histograms cumulative
-`_bucket{le=...}` samples plus `_sum` and `_count`, every sample carries `model_name`. Request-level metrics are
-fed by the API as outputs arrive; engine gauges and counters are read from `engine.stats()` at scrape time.
+`_bucket{le=...}` samples plus `_sum` and `_count`, every sample carries `model_name`. Latency histograms
+are fed by the API as outputs arrive; gauges and counters are read from `engine.stats()` at scrape time.
 """
 
 from __future__ import annotations
@@ -159,8 +159,6 @@ class ServerMetrics:
         self.prompt_tokens = Counter("prompt_tokens", "Prefill tokens processed.", base)
         self.generation_tokens = Counter("generation_tokens", "Generation tokens processed.", base)
         self.request_success = Counter("request_success", "Finished requests by finish reason.", base)
-        for reason in FINISH_REASONS:
-            self.request_success.inc(0.0, finished_reason=reason)
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token in seconds.", base, TTFT_BUCKETS)
         self.itl = Histogram("inter_token_latency_seconds", "Inter-token latency in seconds.", base, ITL_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.", base,
@@ -174,8 +172,13 @@ class ServerMetrics:
 
     def update_engine(self, stats: dict) -> None:
         for key, family in self.engine.items():
-            if key in stats and stats[key] is not None:
+            if stats.get(key) is not None:
                 family.set_total(float(stats[key]))
+        self.prompt_tokens.set_total(stats.get("prompt_tokens", 0))
+        self.generation_tokens.set_total(stats.get("generation_tokens", 0))
+        finished = stats.get("request_success", {})
+        for reason in FINISH_REASONS:
+            self.request_success.set_total(finished.get(reason, 0), finished_reason=reason)
 
     def render(self, engine_stats: dict) -> str:
         self.update_engine(engine_stats)
@@ -186,7 +189,7 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Feeds one engine request's outputs into the request-level metrics (tokens, TTFT, ITL, e2e, queue)."""
+    """Feeds one engine request's outputs into the latency histograms (TTFT, ITL, e2e, queue time)."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
@@ -201,23 +204,14 @@ class RequestTracker:
         generated = out.num_generated_tokens
         if generated > self.tokens:
             if self.last_token_time is None:
-                self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
                 self.metrics.ttft.observe(now - self.arrival)
             else:
                 self.metrics.itl.observe(now - self.last_token_time)
-            self.metrics.generation_tokens.inc(generated - self.tokens)
             self.tokens = generated
             self.last_token_time = now
         if out.finished and not self.done:
             self.done = True
-            for completion in out.outputs:
-                self.metrics.request_success.inc(finished_reason=completion.finish_reason or "abort")
             self.metrics.e2e.observe(now - self.arrival)
             queue_time = out.metrics.queue_time
             if queue_time is not None:
                 self.metrics.queue.observe(queue_time)
-
-    def aborted(self) -> None:
-        if not self.done:
-            self.done = True
-            self.metrics.request_success.inc(finished_reason="abort")
