@@ -126,8 +126,9 @@ async def _run(url, prompts, tokenizer, model, endpoint, request_rate, max_concu
     limit = max_concurrency or len(prompts)
     connector = aiohttp.TCPConnector(limit=limit)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    bodies = [_request_body(endpoint, model, p, tokenizer, ignore_eos) for p in prompts]  # built before the clock
+    arrivals = arrival_times(len(prompts), request_rate, seed)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
-        arrivals = arrival_times(len(prompts), request_rate, seed)
         slots = asyncio.Semaphore(limit)
         start = time.perf_counter()
 
@@ -135,13 +136,13 @@ async def _run(url, prompts, tokenizer, model, endpoint, request_rate, max_concu
             rec = RequestRecord(index=i, prompt_id=prompt.id, arrival_s=arrivals[i], max_tokens=prompt.output_len)
             await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
             async with slots:
-                body = _request_body(endpoint, model, prompt, tokenizer, ignore_eos)
-                await _stream(session, url + endpoint, body, rec, start)
-            _count_tokens(rec, prompt, tokenizer)
+                await _stream(session, url + endpoint, bodies[i], rec, start)
             return rec
 
         records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         duration = time.perf_counter() - start
+    for rec, prompt in zip(records, prompts):  # tokenizing after the run keeps it off the timed event loop
+        _count_tokens(rec, prompt, tokenizer)
     return BenchRun(url, endpoint, model, request_rate, max_concurrency, duration, list(records), start)
 
 
