@@ -246,12 +246,14 @@ def read_quantized(folder) -> QuantizedFolder:
     Verifies the sha256 of every file quantkit.json lists; a missing, modified or truncated file is a QuantkitError
     naming it.
     """
+    from quantkit.models.loader import read_safetensors
+
     folder = Path(folder)
     meta = _verified_meta(folder)
     hf_config = _read_json(folder / "config.json")
     qcfg = _quantization_config(folder, hf_config)
     layout = detect_layout(qcfg, folder)
-    tensors = read_tensors(folder)
+    tensors = read_safetensors(folder)
     spec = _LAYOUTS[layout]
     marker = spec.marker
     modules = sorted(key[: -len(marker) - 1] for key in tensors if key.endswith("." + marker))
@@ -288,29 +290,6 @@ def _quantization_config(folder: Path, hf_config: dict) -> dict:
     if (folder / "quant_config.json").is_file():
         return {"quant_method": "awq", **_read_json(folder / "quant_config.json")}
     raise QuantkitError(f"{folder / 'config.json'}: no quantization_config: not a quantized checkpoint")
-
-
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of model.safetensors or of the shards model.safetensors.index.json names."""
-    from safetensors.torch import load_file
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
-    elif (folder / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise QuantkitError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        path = folder / shard
-        if not path.is_file():
-            raise QuantkitError(f"{path}: missing (named by model.safetensors.index.json)")
-        try:
-            tensors.update(load_file(str(path)))
-        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-            raise QuantkitError(f"{path}: cannot read safetensors file ({e}): the file is damaged or truncated") from None
-    return tensors
 
 
 def _verified_meta(folder: Path) -> Optional[dict]:

@@ -81,6 +81,14 @@ class QTensor:
         """grp(k) int64 [K]: g_idx if present, else k // g."""
         return group_index(self.codes.shape[1], self.group_size, self.g_idx, self.codes.device)
 
+    def equal(self, other: "QTensor") -> bool:
+        """Bit-exact equality of every field (what a save/load or pack/unpack round trip must preserve)."""
+        same_g_idx = (self.g_idx is None and other.g_idx is None) or (
+            self.g_idx is not None and other.g_idx is not None and torch.equal(self.g_idx, other.g_idx))
+        return (torch.equal(self.codes, other.codes) and torch.equal(self.zeros, other.zeros)
+                and self.scales.dtype == other.scales.dtype and torch.equal(self.scales, other.scales) and same_g_idx
+                and (self.bits, self.group_size, self.sym) == (other.bits, other.group_size, other.sym))
+
     def to(self, device) -> "QTensor":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QTensor(move(self.codes), move(self.zeros), move(self.scales), move(self.g_idx), self.bits,

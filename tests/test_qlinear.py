@@ -1,0 +1,164 @@
+"""quant/qlinear.py: QLinear keeps the exact QTensor, its reference forward is dequantize-then-matmul, and every CPU
+packed-kernel path reproduces dequantize(qt) @ x.
+
+Exactness of the fast paths: the kernels take bf16 inputs and bf16 scale/zero terms and return bf16, so with power-of-two
+scales and one-hot inputs every product and sum is exact (|q - z| <= 255 fits bf16's 8 significant bits): feeding
+the identity matrix through the kernel must reproduce W'.T bit for bit, which checks every code, zero, scale and the
+act-order permutation. Realistic inputs are then checked with a tolerance derived from bf16 rounding (see below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantkit.config import QuantScheme
+from quantkit.quant.qlinear import QLinear
+from quantkit.quant.scheme import QTensor, dequantize, fit_qparams, quantize, quantize_rtn
+
+
+def make_qtensor(n, k, bits, group_size, sym, act_order=False, pow2_scales=False, seed=0) -> QTensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    scheme = QuantScheme(bits=bits, group_size=group_size, sym=sym, act_order=act_order)
+    g_idx = None
+    if act_order:
+        order = torch.randperm(k, generator=gen)
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[order] = (torch.arange(k) // group_size).to(torch.int32)
+    scales, zeros = fit_qparams(w, scheme, g_idx)
+    if pow2_scales:
+        scales = torch.pow(2.0, torch.randint(-9, -4, scales.shape, generator=gen).float()).half()
+    codes = quantize(w, scales, zeros, bits, group_size, g_idx)
+    return QTensor(codes, zeros, scales, g_idx, bits, group_size, sym)
+
+
+# (N, K, bits, group_size, sym, act_order, expected CPU kernel for bf16 inputs)
+FAST = {
+    "w4g32-sym": (64, 128, 4, 32, True, False, "int4"),
+    "w4g64-asym": (48, 192, 4, 64, False, False, "int4"),
+    "w4g128-asym-act": (32, 256, 4, 128, False, True, "int4"),
+    "w4ch-asym": (32, 96, 4, -1, False, False, "int4"),  # per-channel: scale repeated over 32-column groups
+    "w4g512-sym": (16, 1024, 4, 512, True, False, "int4"),  # group larger than tinygemm's 256
+    "w8ch-sym": (32, 128, 8, -1, True, False, "int8"),
+    "w8ch-asym": (32, 128, 8, -1, False, False, "int8"),
+    "w8g64-asym": (32, 128, 8, 64, False, False, "int8_hilo"),
+    "w8g32-sym-act": (48, 96, 8, 32, True, True, "int8_hilo"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAST))
+def test_qtensor_round_trips_exactly(case):
+    n, k, bits, g, sym, act, _ = FAST[case]
+    qt = make_qtensor(n, k, bits, g, sym, act)
+    assert qt.equal(QLinear.from_qtensor(qt).qtensor())
+
+
+def test_odd_in_features_round_trip_at_4_bit():
+    qt = make_qtensor(8, 33, 4, -1, False)
+    layer = QLinear.from_qtensor(qt)
+    assert layer.qweight.shape == (8, 17)  # the last byte holds one code
+    assert qt.equal(layer.qtensor())
+
+
+@pytest.mark.parametrize("case", list(FAST))
+def test_fp32_forward_is_dequantize_then_matmul(case):
+    n, k, bits, g, sym, act, _ = FAST[case]
+    qt = make_qtensor(n, k, bits, g, sym, act, seed=1)
+    bias = torch.randn(n)
+    layer = QLinear.from_qtensor(qt, bias)
+    x = torch.randn(2, 3, k)
+    assert torch.equal(layer(x), F.linear(x, dequantize(qt), bias))
+
+
+@pytest.mark.parametrize("case", list(FAST))
+def test_cpu_kernel_reproduces_the_dequantized_weight_exactly(case):
+    n, k, bits, g, sym, act, kind = FAST[case]
+    qt = make_qtensor(n, k, bits, g, sym, act, pow2_scales=True, seed=2)
+    layer = QLinear.from_qtensor(qt)
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    rows = [layer(chunk) for chunk in eye.split(16)]  # <= 16 rows per call: the kernel path for every kind
+    assert layer._kernel[0] == kind
+    assert torch.equal(torch.cat(rows).float(), dequantize(qt).T)
+
+
+@pytest.mark.parametrize("case", list(FAST))
+def test_cpu_kernel_matches_reference_on_random_inputs(case):
+    """Tolerance: the kernels round scale and zero terms to bf16 (relative 2^-9 each) and the output to bf16
+    (2^-9), so |y - ref| <= 2^-8 * (|x| @ (maxq * |S|).T) + 2^-8 * |ref|: a bound, not a typical error; a wrong
+    code, zero or permutation moves outputs by O(s * |x|) on many rows and fails the 1%-of-range check too."""
+    n, k, bits, g, sym, act, kind = FAST[case]
+    qt = make_qtensor(n, k, bits, g, sym, act, seed=3)
+    bias = torch.randn(n).bfloat16()
+    layer = QLinear.from_qtensor(qt, bias)
+    x = torch.randn(5, k).bfloat16()
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and layer._kernel[0] == kind
+    w = dequantize(qt)
+    ref = x.float() @ w.T + bias.float()
+    s_full = qt.scales.float()[:, qt.group_index()]
+    bound = 2**-8 * (x.float().abs() @ (qt.maxq * s_full).T) + 2**-8 * ref.abs() + 2**-8 * bias.float().abs()
+    err = (y.float() - ref).abs()
+    assert bool((err <= bound).all())
+    assert float(err.max()) <= 0.01 * float(ref.abs().max())
+
+
+def test_many_rows_take_the_dequantize_path_in_bf16():
+    qt = make_qtensor(64, 128, 4, 32, False, seed=4)
+    layer = QLinear.from_qtensor(qt)
+    x = torch.randn(100, 128).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, dequantize(qt, torch.bfloat16)))
+
+
+def random_qtensor(n, k, g, g_idx=None, seed=5) -> QTensor:
+    gen = torch.Generator().manual_seed(seed)
+    groups = k // g
+    return QTensor(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                   torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8),
+                   (torch.rand(n, groups, generator=gen) * 0.01 + 0.001).half(), g_idx, 4, g, False)
+
+
+def unequal_g_idx(k=128) -> torch.Tensor:
+    """Act-order g_idx whose 4 groups hold 40, 24, 32 and 32 columns (no permutation makes equal runs)."""
+    sizes = [40, 24, 32, 32]
+    g_idx = torch.cat([torch.full((s,), i, dtype=torch.int32) for i, s in enumerate(sizes)])
+    return g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(0))]
+
+
+@pytest.mark.parametrize("qt", [random_qtensor(24, 128, 32), random_qtensor(32, 128, 32, unequal_g_idx()),
+                                random_qtensor(32, 96, 16)], ids=["N%16", "unequal-act-groups", "g16"])
+def test_layers_no_kernel_fits_use_the_reference(qt):
+    layer = QLinear.from_qtensor(qt)
+    x = torch.randn(3, qt.shape[1]).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, dequantize(qt, torch.bfloat16)))
+    assert layer._kernel == ("none", None)
+
+
+def test_model_dtype_casts_leave_the_quantized_weight_untouched():
+    qt = make_qtensor(32, 64, 4, 32, False, seed=6)
+    bias = torch.randn(32)
+    layer = QLinear.from_qtensor(qt, bias)
+    layer.to(torch.bfloat16)
+    assert qt.equal(layer.qtensor())
+    assert layer.bias.dtype == torch.bfloat16
+    layer.float()
+    assert qt.equal(layer.qtensor())
+
+
+def test_storage_is_the_packed_size():
+    """4-bit: K/2 bytes per row; 8-bit: K bytes; plus 2 + 1 bytes per (row, group) of scales and zeros."""
+    for bits in (4, 8):
+        n, k, g = 64, 256, 64
+        layer = QLinear.from_qtensor(make_qtensor(n, k, bits, g, False))
+        nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
+        assert nbytes == n * k * bits // 8 + n * (k // g) * 3
+
+
+def test_rtn_layer_output_close_to_float_linear():
+    lin = torch.nn.Linear(256, 64)
+    x = torch.randn(4, 256)
+    qt = quantize_rtn(lin.weight.detach(), QuantScheme(bits=8, group_size=64, sym=True))
+    layer = QLinear.from_qtensor(qt, lin.bias.detach())
+    ref = lin(x).detach()
+    assert float((layer(x) - ref).abs().max()) < 0.01 * float(ref.abs().max())
