@@ -1,0 +1,51 @@
+"""`quantkit serve [MODEL|DIR]`: the paged-KV engine behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="serve")(serve)
+
+
+def serve(
+    model: Optional[str] = typer.Argument(None, help="HF folder, quantized folder, GGUF file or hub id; "
+                                                     "omitted: the bundled SmolLM2-135M-Instruct"),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on"),
+    port: int = typer.Option(8000, help="TCP port"),
+    served_model_name: Optional[str] = typer.Option(None, help="Model name clients send (default: MODEL)"),
+    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1/* "
+                                                     "(default: $QUANTKIT_API_KEY)"),
+    chat_template: Optional[str] = typer.Option(None, help="Jinja chat template file (for models without one)"),
+    max_model_len: Optional[int] = typer.Option(None, help="Prompt + output tokens at most "
+                                                           "(default: the model's context length)"),
+    max_num_seqs: int = typer.Option(128, help="Running sequences at most"),
+    max_num_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step"),
+    block_size: int = typer.Option(16, help="Tokens per KV-cache block"),
+    kv_cache_memory: Optional[int] = typer.Option(None, help="Bytes for the KV-cache pool (default: automatic)"),
+    gpu_memory_utilization: float = typer.Option(0.9, help="Fraction of GPU memory to use (CUDA)"),
+    enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
+                                               help="Reuse KV blocks of shared prompt prefixes"),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16"),
+    seed: int = typer.Option(0, help="Seed of the engine generator (requests may bring their own)"),
+    log_level: str = typer.Option("info", help="debug, info, warning or error"),
+) -> None:
+    """Serve a model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics, ...)."""
+    from quantkit.serve.config import EngineConfig
+    from quantkit.serve.server import ServerOptions, run_server
+
+    engine_config = EngineConfig(
+        block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+        enable_prefix_caching=enable_prefix_caching, dtype=dtype, seed=seed,
+    )
+    options = ServerOptions(
+        model=model, host=host, port=port, served_model_name=served_model_name,
+        api_key=api_key or os.environ.get("QUANTKIT_API_KEY") or None, chat_template=chat_template,
+        log_level=log_level,
+    )
+    raise typer.Exit(run_server(options, engine_config))
