@@ -85,6 +85,25 @@ def test_capacity_uses_the_engine_functions(bundled_dir):
     assert auto["kv_blocks"] == num_kv_blocks(auto["kv_budget_bytes"], 16, per_token)
 
 
+@pytest.mark.slow
+def test_plan_capacity_equals_what_the_engine_reports_at_start(bundled, caplog):
+    """The same KV budget in `quantkit plan` and in the engine (kv_cache_memory): the same blocks and tokens, and
+    the start-up log line carries them."""
+    import logging
+
+    from quantkit.serve.config import EngineConfig
+    from quantkit.serve.engine import LLMEngine
+
+    budget = 60_000_000
+    with caplog.at_level(logging.INFO):
+        engine = LLMEngine(bundled.model, bundled.tokenizer, EngineConfig(kv_cache_memory=budget, max_model_len=1024))
+    plan = make_plan(cfg_of(bundled.hf_config), GPUS["l4"], kv_cache_bytes=budget, kv_cache_dtype="fp32",
+                     max_model_len=1024)  # the fixture's model is fp32, so is its KV cache
+    assert plan["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert engine.runner.num_blocks == plan["kv_blocks"] == budget // (16 * 46_080) == 81
+    assert f"KV cache: 81 blocks, {81 * 16} tokens" in caplog.text
+
+
 def test_roofline_and_cost():
     cfg = cfg_of(LLAMA2_13B)
     h100 = GPUS["h100-80gb"]

@@ -21,7 +21,7 @@ from quantkit.serve.capacity import kv_bytes_per_token, num_kv_blocks
 
 GB = 1e9
 QUANT_BITS = {"fp16": 16, "w8": 8, "w4": 4}
-KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
+KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 
 @dataclass(frozen=True)

@@ -56,5 +56,39 @@ def serve(
         typer.echo(f"wrote {save_result}", err=True)
 
 
+@bench_app.command("throughput")
+def throughput(
+    model: Optional[str] = typer.Argument(None, help="model folder, .gguf or cached Hub id (default: bundled)"),
+    dataset: str = typer.Option("sharegpt", "--dataset", help=DATASET_HELP),
+    num_prompts: int = typer.Option(64, "--num-prompts"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="output tokens per request (default: the data's, else 128)"),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos", help="generate exactly max_tokens per request"),
+    max_num_seqs: int = typer.Option(128, "--max-num-seqs"),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+    kv_cache_memory: Optional[int] = typer.Option(None, "--kv-cache-memory", help="bytes for the KV pool (default: automatic)"),
+    dtype: str = typer.Option("auto", "--dtype"),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
+    seed: int = typer.Option(0, "--seed"),
+    random_input_len: int = typer.Option(256, "--random-input-len"),
+    save_result: Optional[Path] = typer.Option(None, "--save-result"),
+) -> None:
+    """Offline tokens/s of the engine itself (quantkit.LLM, no HTTP) on a data set, all prompts at once."""
+    from quantkit import LLM
+    from quantkit.benchmark.datasets import load_prompts
+    from quantkit.benchmark.metrics import write_json
+    from quantkit.benchmark.offline import format_throughput, offline_throughput
+
+    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+              max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, dtype=dtype, seed=seed)
+    prompts = load_prompts(dataset, num_prompts, llm.tokenizer, max_tokens, data_dir, seed,
+                           random_input_len=random_input_len)
+    result = offline_throughput(llm, prompts, ignore_eos)
+    typer.echo(format_throughput(result))
+    if save_result is not None:
+        write_json(save_result, {"model": llm.loaded.source, "dataset": dataset, "max_tokens": max_tokens,
+                                 "max_num_seqs": max_num_seqs, **result})
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")
