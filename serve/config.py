@@ -1,0 +1,70 @@
+"""EngineConfig: the knobs of the serving engine (CLI flags of `quantkit serve` map one to one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quantkit.errors import QuantkitError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """block_size: tokens per KV block.  max_num_batched_tokens: token budget of one step (decodes + prefill
+    chunks).  max_num_seqs: running sequences at most.  max_model_len: prompt + output tokens at most (None =
+    the model's max_position_embeddings).  kv_cache_memory: bytes for the KV pool (overrides the automatic
+    budget).  gpu_memory_utilization: fraction of device memory for weights + activations + KV on CUDA.
+    cpu_kv_cache_fraction: on CPU without kv_cache_memory, the KV pool gets this fraction of available RAM
+    (capped at cpu_kv_cache_max_bytes).  dtype: compute and KV dtype ("auto": bfloat16 on CPU, the checkpoint's
+    float16/bfloat16 on CUDA).  seed: the engine generator for requests without their own seed.
+    """
+
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_fraction: float = 0.3
+    cpu_kv_cache_max_bytes: int = 4 << 30
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    log_stats_interval: float = 5.0
+
+    def __post_init__(self):
+        checks = [
+            ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             "a power of two such as 16"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "at least 1"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "at least 1"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "at least 1"),
+            ("kv_cache_memory", self.kv_cache_memory is None or self.kv_cache_memory > 0, "positive bytes"),
+            ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
+            ("cpu_kv_cache_fraction", 0.0 < self.cpu_kv_cache_fraction <= 1.0, "in (0, 1]"),
+            ("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
+            ("device", self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             "auto, cpu or cuda[:N]"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise QuantkitError(f"engine option {name}={getattr(self, name)!r} is invalid: use {expected}")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self, checkpoint_dtype: str | None = None):
+        """The torch dtype for weights, activations and the KV cache."""
+        import torch
+
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if self.resolved_device() == "cpu":
+            return torch.bfloat16
+        return torch.bfloat16 if checkpoint_dtype == "bfloat16" else torch.float16

@@ -1,0 +1,73 @@
+"""The offline API on the serving engine: `LLM(model).generate(prompts, params) -> list[RequestOutput]`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import fields
+
+from quantkit.serve.config import EngineConfig
+from quantkit.serve.engine import LLMEngine
+from quantkit.serve.outputs import RequestOutput
+from quantkit.serve.sampling_params import SamplingParams
+
+ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+def eos_token_ids(tokenizer, folder) -> list[int]:
+    """The tokenizer's EOS plus generation_config.json's eos_token_id(s) (what transformers' generate stops on)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    path = folder / "generation_config.json" if folder is not None else None
+    if path is not None and path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
+
+
+class LLM:
+    """LLM(model=None (the bundled default) | path | hub id, **EngineConfig fields).
+
+    Also accepts an already loaded `quantkit.models.loader.Loaded` as `model`.
+    """
+
+    def __init__(self, model=None, **engine_kwargs):
+        from quantkit.models.loader import Loaded, load_model, read_hf_config, resolve
+
+        unknown = set(engine_kwargs) - ENGINE_FIELDS
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        cfg = EngineConfig(**engine_kwargs)
+        if isinstance(model, Loaded):
+            loaded = model
+        else:
+            folder, _ = resolve(model)
+            hf = read_hf_config(folder)
+            checkpoint_dtype = hf.get("torch_dtype") or hf.get("dtype")
+            loaded = load_model(model, dtype=cfg.resolved_dtype(checkpoint_dtype), device=cfg.resolved_device())
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, eos_token_ids(loaded.tokenizer, loaded.path))
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        order = []
+        for prompt, p in zip(prompts, params):
+            rid = f"offline-{next(self._ids)}"
+            if isinstance(prompt, str):
+                self.engine.add_request(rid, self.tokenizer.encode(prompt), p, prompt=prompt)
+            else:
+                self.engine.add_request(rid, list(prompt), p)
+            order.append(rid)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(order):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in order]
