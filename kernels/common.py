@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 
 def fp32_dot(dtype: torch.dtype) -> bool:
@@ -12,6 +13,11 @@ def fp32_dot(dtype: torch.dtype) -> bool:
     uint16 storage of bfloat16 operands. Kernels then round to bf16 first and upcast, so products and fp32 sums
     are the same as a tensor-core bf16 dot; on a GPU this is always False."""
     return bool(triton.knobs.runtime.interpret) and dtype == torch.bfloat16
+
+
+def quick_bench(fn, quantiles):
+    """Autotuning timer: shorter than Triton's default (25 ms warm-up, 100 ms runs) so a first run tunes fast."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import fp32_dot, mma
+from .common import fp32_dot, mma, quick_bench
 from .dequantize import check_matmul_inputs, dequant_matmul_ref, dequant_tile, weight_args, weight_meta
 from .repack import PackedWeight
 
@@ -86,7 +86,7 @@ def _gemm_kernel(
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 
 _gemm_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET"], prune_configs_by={"early_config_prune": _prune},
-                              cache_results=True)(_gemm_kernel)
+                              do_bench=quick_bench, cache_results=True)(_gemm_kernel)
 
 
 def m_bucket(m: int) -> int:

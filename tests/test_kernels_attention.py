@@ -1,6 +1,6 @@
 """Paged KV-cache kernels (kv_store, decode attention, chunked-prefill attention) against torch references.
 
-Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (set here before triton is imported); with a GPU and
+Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (tests/triton_env.py); with a GPU and
 TRITON_INTERPRET=0 the same tests run compiled on CUDA. The references gather K/V through the block table and
 are themselves checked against torch's scaled_dot_product_attention on the unpaged K/V.
 
@@ -12,22 +12,13 @@ Tolerances: probabilities and P @ V run on fp16/bf16 operands with fp32 accumula
 
 from __future__ import annotations
 
-import os
+from tests.triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton loads
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+import torch.nn.functional as F
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-from quantkit.kernels import kv_store, paged_attention, paged_prefill  # noqa: E402
-
-INTERPRET = bool(triton.knobs.runtime.interpret)
-DEVICE = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 needs a CUDA GPU", allow_module_level=True)
+from quantkit.kernels import kv_store, paged_attention, paged_prefill
 
 TOL = {torch.float16: dict(rtol=2e-3, atol=4e-3), torch.bfloat16: dict(rtol=1.6e-2, atol=3e-2)}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -1,6 +1,6 @@
 """Dequant-GEMM kernels (repack, dequantize, split-K GEMV, tiled GEMM, qgemm dispatch) against torch references.
 
-Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (set here before triton is imported); with a GPU and
+Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (tests/triton_env.py); with a GPU and
 TRITON_INTERPRET=0 the same tests run compiled on CUDA. The references are checked against quantkit's format
 spec (scheme.pack / scheme.dequantize) so they are independent of the kernels.
 
@@ -14,24 +14,15 @@ A wrong code, group, scale, zero or column shifts outputs by O(1) and fails thes
 
 from __future__ import annotations
 
-import os
+from tests.triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton loads
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-from quantkit.config import QuantScheme  # noqa: E402
-from quantkit.errors import QuantkitError  # noqa: E402
-from quantkit.kernels import dequant_gemm, dequant_gemv, dequantize, qgemm, repack  # noqa: E402
-from quantkit.quant import scheme  # noqa: E402
-
-INTERPRET = bool(triton.knobs.runtime.interpret)
-DEVICE = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 needs a CUDA GPU", allow_module_level=True)
+from quantkit.config import QuantScheme
+from quantkit.errors import QuantkitError
+from quantkit.kernels import dequant_gemm, dequant_gemv, dequantize, qgemm, repack
+from quantkit.quant import scheme
 
 TOL = {torch.float16: dict(rtol=4e-3, atol=2e-2), torch.bfloat16: dict(rtol=1.6e-2, atol=1.5e-1)}
 
