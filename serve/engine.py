@@ -46,6 +46,7 @@ def context_length_message(max_model_len: int, max_tokens: int, num_prompt: int)
 class LLMEngine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, eos_token_ids: list[int] | None = None):
         self.cfg = config or EngineConfig()
+        self.loaded = None  # the quantkit Loaded this engine serves, when built by llm.build_engine
         self.model = model
         self.tokenizer = tokenizer
         param = next(model.parameters())
@@ -70,25 +71,31 @@ class LLMEngine:
         self._last_log = (time.time(), 0, 0)
 
     # ---- requests
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """ValueError for bad parameters or a prompt that does not fit; returns the effective max_tokens."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}")
+        num_prompt, max_tokens = len(prompt_token_ids), params.max_tokens
+        if max_tokens is None:
+            if num_prompt >= self.max_model_len:
+                raise ValueError(context_length_message(self.max_model_len, 1, num_prompt))
+            return self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(context_length_message(self.max_model_len, max_tokens, num_prompt))
+        return max_tokens
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request. ValueError for bad parameters, an id in use, or a prompt that does not fit."""
-        params = (params or SamplingParams()).validate()
+        params = params or SamplingParams()
+        ids = list(prompt_token_ids)
+        max_tokens = self.check_request(ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}")
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - len(ids)
-            if max_tokens < 1:
-                raise ValueError(context_length_message(self.max_model_len, 1, len(ids)))
-        elif len(ids) + max_tokens > self.max_model_len:
-            raise ValueError(context_length_message(self.max_model_len, max_tokens, len(ids)))
         request = Request(request_id, ids, params, prompt, max_tokens, arrival_time)
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])

@@ -24,29 +24,36 @@ def eos_token_ids(tokenizer, folder) -> list[int]:
     return sorted(ids)
 
 
-class LLM:
-    """LLM(model=None (the bundled default) | path | hub id, **EngineConfig fields).
+def build_engine(model=None, **engine_kwargs) -> LLMEngine:
+    """Load `model` (None = the bundled default, a path, a hub id, or a loaded `Loaded`) and build its engine.
 
-    Also accepts an already loaded `quantkit.models.loader.Loaded` as `model`.
+    engine_kwargs: EngineConfig fields; dtype "auto" = bfloat16 on CPU, the checkpoint's half type on CUDA.
     """
+    from quantkit.models.loader import Loaded, load_model, read_hf_config, resolve
+
+    unknown = set(engine_kwargs) - ENGINE_FIELDS
+    if unknown:
+        raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+    cfg = EngineConfig(**engine_kwargs)
+    if isinstance(model, Loaded):
+        loaded = model
+    else:
+        folder, _ = resolve(model)
+        hf = read_hf_config(folder)
+        checkpoint_dtype = hf.get("torch_dtype") or hf.get("dtype")
+        loaded = load_model(model, dtype=cfg.resolved_dtype(checkpoint_dtype), device=cfg.resolved_device())
+    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, eos_token_ids(loaded.tokenizer, loaded.path))
+    engine.loaded = loaded
+    return engine
+
+
+class LLM:
+    """LLM(model=None (the bundled default) | path | hub id | Loaded, **EngineConfig fields)."""
 
     def __init__(self, model=None, **engine_kwargs):
-        from quantkit.models.loader import Loaded, load_model, read_hf_config, resolve
-
-        unknown = set(engine_kwargs) - ENGINE_FIELDS
-        if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        cfg = EngineConfig(**engine_kwargs)
-        if isinstance(model, Loaded):
-            loaded = model
-        else:
-            folder, _ = resolve(model)
-            hf = read_hf_config(folder)
-            checkpoint_dtype = hf.get("torch_dtype") or hf.get("dtype")
-            loaded = load_model(model, dtype=cfg.resolved_dtype(checkpoint_dtype), device=cfg.resolved_device())
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
-        self.engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, eos_token_ids(loaded.tokenizer, loaded.path))
+        self.engine = build_engine(model, **engine_kwargs)
+        self.loaded = self.engine.loaded
+        self.tokenizer = self.loaded.tokenizer
         self._ids = itertools.count()
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],

@@ -1,0 +1,178 @@
+"""AsyncLLMEngine: the LLMEngine stepped by one background thread, fed and read from asyncio.
+
+Calls from any thread (add, abort, shutdown) are queued and applied by the engine thread between steps, so an
+abort frees its blocks before the next step runs. Each request streams its cumulative RequestOutputs into an
+asyncio.Queue of the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator, Callable
+
+from quantkit.serve.engine import LLMEngine
+from quantkit.serve.outputs import RequestOutput
+from quantkit.serve.sampling_params import SamplingParams
+
+log = logging.getLogger("quantkit.serve")
+
+_END = object()  # stream sentinel: no more outputs (finished or aborted)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped because a step raised; the server should report unhealthy."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._ops: list[Callable[[], None]] = []  # applied by the engine thread, in order
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._abort_on_stop = True
+        self.errored: BaseException | None = None
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="quantkit-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model=None, **engine_kwargs) -> "AsyncLLMEngine":
+        """Load a model (None = the bundled default) and start its engine; engine_kwargs are EngineConfig fields."""
+        from quantkit.serve.llm import build_engine
+
+        return cls(build_engine(model, **engine_kwargs))
+
+    # ---- state
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.errored is None and not self._stopping
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> dict:
+        """The latest snapshot of LLMEngine.stats() (refreshed by the engine thread after every step)."""
+        return self._stats
+
+    # ---- requests
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request until it finishes. ValueError (before any output) for a bad request;
+        EngineDeadError when the engine has failed. Leaving the iteration early aborts the request."""
+        params = params or SamplingParams()
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine failed: {self.errored!r}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+        ids = list(prompt_token_ids)
+        self.engine.check_request(ids, params)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, queue)
+        self._submit(lambda: self._add_now(request_id, ids, params, prompt))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op when unknown or finished); its stream ends and its blocks are freed before the
+        next step."""
+        self._submit(lambda: self._abort_now(request_id))
+
+    def shutdown(self, abort_inflight: bool = True, timeout: float | None = None) -> None:
+        """Stop the engine thread: abort in-flight requests, or let them finish first. Blocks until it exits."""
+        self._abort_on_stop = abort_inflight
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- the engine thread
+    def _submit(self, op: Callable[[], None]) -> None:
+        with self._lock:
+            self._ops.append(op)
+        self._wake.set()
+
+    def _add_now(self, request_id: str, ids: list[int], params: SamplingParams, prompt: str | None) -> None:
+        try:
+            self.engine.add_request(request_id, ids, params, prompt=prompt)
+        except ValueError as e:  # e.g. the id is still in use by an unfinished request
+            self._close(request_id, e)
+
+    def _abort_now(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._close(request_id, _END)
+
+    def _close(self, request_id: str, item) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._deliver(stream, item)
+
+    @staticmethod
+    def _deliver(stream, item) -> None:
+        loop, queue = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            log.debug("dropping an output for a closed event loop")
+
+    def _apply_ops(self) -> None:
+        with self._lock:
+            ops, self._ops = self._ops, []
+        for op in ops:
+            op()
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._wake.clear()
+                self._apply_ops()
+                if self._stopping and (self._abort_on_stop or not engine.has_unfinished()):
+                    for request_id in list(engine.requests):
+                        self._abort_now(request_id)
+                    break
+                if not engine.has_unfinished():
+                    self._stats = engine.stats()
+                    self._wake.wait()
+                    continue
+                outputs = engine.step()
+                self._stats = engine.stats()
+                for out in outputs:
+                    if out.finished:
+                        self._close(out.request_id, out)
+                    else:
+                        with self._lock:
+                            stream = self._streams.get(out.request_id)
+                        if stream is not None:
+                            self._deliver(stream, out)
+        except BaseException as e:  # the engine is dead: every waiting caller gets the error
+            self.errored = e
+            log.exception("engine step failed; the engine is stopped")
+            error = EngineDeadError(f"the engine failed: {e!r}")
+            with self._lock:
+                streams, self._streams = list(self._streams.values()), {}
+            for stream in streams:
+                self._deliver(stream, error)
+        finally:
+            self._stats = engine.stats()
