@@ -16,6 +16,7 @@ With one split, launch 1 writes `out` directly and launch 2 is skipped. The grid
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -152,11 +153,16 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
     assert q.device == k_cache.device == block_tables.device == seq_lens.device, "one device"
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_n: int, device) -> int:
     """Splits per sequence so S * Hkv * splits is about PROGRAMS_PER_SM x the SM count (1 in the interpreter)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = triton.cdiv(PROGRAMS_PER_SM * sms, num_seqs * num_kv_heads)
     return max(1, min(want, triton.cdiv(max_tokens, block_n)))
 

@@ -41,15 +41,18 @@ def prepare(qt) -> Prepared:
     return pw
 
 
-def kernel_for(m: int) -> str:
-    """Name of the path `matmul` takes for M rows: 'gemv', 'gemm' or 'dequant'."""
+def kernel_for(m: int, dtype: torch.dtype = torch.float16) -> str:
+    """Name of the path `matmul` takes for M rows of `dtype`: 'gemv', 'gemm' or 'dequant' (always for fp32:
+    tl.dot would round fp32 operands to tf32)."""
+    if dtype == torch.float32:
+        return "dequant"
     if m <= GEMV_MAX_M:
         return "gemv"
     return "gemm" if m < DEQUANT_MIN_M else "dequant"
 
 
 def matmul(x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp16/bf16 -> x @ W'.T + bias, [..., N] in x.dtype (fp32 accumulation on every path)."""
+    """x [..., K] fp16/bf16/fp32 -> x @ W'.T + bias, [..., N] in x.dtype (fp32 accumulation on every path)."""
     k, n = prepared.in_features, prepared.out_features
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight expects {k}"
     x2 = x.reshape(-1, k)
@@ -58,7 +61,7 @@ def matmul(x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None = None
     m = x2.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], n))
-    path = kernel_for(m)
+    path = kernel_for(m, x.dtype)
     if path == "gemv":
         y = dequant_gemv(x2, prepared, bias)
     elif path == "gemm":

@@ -137,9 +137,21 @@ def test_matmul_dispatch(m):
     torch.testing.assert_close(out, expected, **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_matmul_with_bias(dtype):
+    qt = make_qtensor(*WEIGHTS["w8g64-asym-act"], seed=7)
+    prepared = qgemm.prepare(qt)
+    x = torch.randn(2, qt.shape[1]).to(DEVICE, dtype)
+    bias = torch.randn(qt.shape[0]).to(DEVICE, dtype)
+    expected = (x.float() @ scheme.dequantize(qt).t() + bias.float()).to(dtype)
+    tol = TOL.get(dtype, dict(rtol=1e-5, atol=1e-5))
+    torch.testing.assert_close(qgemm.matmul(x, prepared, bias), expected, **tol)
+
+
 def test_kernel_for_boundaries():
     assert [qgemm.kernel_for(m) for m in (1, 16, 17, qgemm.DEQUANT_MIN_M - 1, qgemm.DEQUANT_MIN_M)] == \
         ["gemv", "gemv", "gemm", "gemm", "dequant"]
+    assert qgemm.kernel_for(1, torch.float32) == "dequant"
 
 
 def test_unequal_act_order_groups_are_refused():
