@@ -1,0 +1,246 @@
+"""quantkit eval, end to end: load baseline and candidate through the same loader (same model class, same QLinear as
+serving), run every metric over the same tokens for both, and pair the results for the bootstrap.
+
+    spec -> load both -> for each built-in task / data file / lm-eval task:
+              tokenize once -> baseline + candidate (text: one pass over both, KL from the same logits)
+              -> MetricResults with paired-bootstrap intervals -> gate -> Report
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from quantkit.data import read_rows, read_text, shared_data_dir, tokenize_row
+from quantkit.errors import QuantkitError
+from quantkit.evals import bootstrap as bs
+from quantkit.evals.gate import Threshold, check
+from quantkit.evals.report import MetricResult, Report
+
+CHOICE_TASKS = {
+    "arc_easy": ("arc-easy", "arc_easy_test.jsonl"),
+    "piqa": ("piqa", "piqa_validation.jsonl"),
+    "hellaswag": ("hellaswag", "hellaswag_val_3000.jsonl"),
+}
+TEXT_TASKS = {"wikitext": ("wikitext-2", "test.txt")}
+DEFAULT_TASKS = ("wikitext", "arc_easy")
+
+
+@dataclass
+class EvalSpec:
+    candidate: str
+    baseline: Optional[str] = None  # None: the base_model recorded in the candidate's quantkit.json
+    data: list[Path] = field(default_factory=list)
+    tasks: Optional[list[str]] = None  # None: DEFAULT_TASKS when no --data is given
+    limit: Optional[int] = 500  # rows per task / data file
+    windows: Optional[int] = 40  # text windows per task / data file
+    seq_len: int = 512
+    max_new_tokens: int = 32
+    thresholds: list[Threshold] = field(default_factory=list)
+    seed: int = 0
+
+
+def resolve_baseline(spec: EvalSpec, cand_meta: Optional[dict]) -> str:
+    if spec.baseline:
+        return spec.baseline
+    base = (cand_meta or {}).get("base_model")
+    if not base:
+        raise QuantkitError(f"{spec.candidate}: quantkit.json records no base_model: pass --baseline MODEL")
+    return base
+
+
+def run(spec: EvalSpec, console=None) -> Report:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from quantkit.models.loader import load_model
+
+    start = time.time()
+    cand = load_model(spec.candidate)
+    base_source = resolve_baseline(spec, cand.quant_meta)
+    base = cand if base_source == spec.candidate else load_model(base_source)
+    tasks = list(spec.tasks) if spec.tasks is not None else ([] if spec.data else list(DEFAULT_TASKS))
+    report = Report(candidate=cand.source, baseline=base.source, settings=dict(
+        seq_len=spec.seq_len, windows=spec.windows, limit=spec.limit, max_new_tokens=spec.max_new_tokens,
+        tasks=tasks, data=[str(p) for p in spec.data], bootstrap=bs.N_BOOT, seed=spec.seed))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        @contextmanager
+        def bar(description: str, total: int):
+            tid = progress.add_task(description, total=total)
+            yield lambda k: progress.advance(tid, k)
+
+        ev = _Evaluator(spec, base, cand, bar)
+        lm_eval_tasks = []
+        for task in tasks:
+            if task in TEXT_TASKS:
+                folder, name = TEXT_TASKS[task]
+                report.metrics += ev.text(task, read_text(shared_data_dir() / folder / name))
+            elif task in CHOICE_TASKS:
+                folder, name = CHOICE_TASKS[task]
+                report.metrics += ev.choices(task, read_rows(shared_data_dir() / folder / name))
+            else:
+                lm_eval_tasks.append(task)
+        for path in spec.data:
+            report.metrics += ev.data_file(Path(path))
+        if lm_eval_tasks:
+            report.metrics += ev.lm_eval(lm_eval_tasks)
+    breaches, unchecked = check(spec.thresholds, report.metrics)
+    report.gate = {"thresholds": [f"{t.metric}={t.text()}" for t in spec.thresholds],
+                   "breaches": [{"name": b.name, "delta": b.delta, "message": b.message()} for b in breaches],
+                   "unchecked": [f"{t.metric}={t.text()}" for t in unchecked]}
+    report.seconds = time.time() - start
+    return report
+
+
+class _Evaluator:
+    def __init__(self, spec: EvalSpec, base, cand, bar):
+        self.spec, self.base, self.cand, self.bar = spec, base, cand, bar
+        self.tok = cand.tokenizer
+
+    # ---- text: perplexity, KL, top-1 agreement from one pass over both models
+    def text(self, task: str, text: str) -> list[MetricResult]:
+        from quantkit.evals.perplexity import text_windows
+
+        windows = text_windows(self.tok, text, self.spec.seq_len, self.spec.windows)
+        L = windows.shape[1]
+        units = [(w.tolist(), [False] + [True] * (L - 1)) for w in windows]
+        return self._compare(task, units, f"L={L}, {len(units)} windows")
+
+    def _compare(self, task: str, units, note: str) -> list[MetricResult]:
+        from quantkit.evals.kl import compare
+
+        with self.bar(f"{task}: baseline + candidate logits", len(units)) as advance:
+            c = compare(self.base.model, self.cand.model, units, advance=advance)
+        seed = self.spec.seed
+        ppl_delta = bs.bootstrap(lambda b, k, n: bs.ratio_exp(k, n) - bs.ratio_exp(b, n), c.base_nll, c.cand_nll,
+                                 c.count, seed=seed)
+        ppl_pct = bs.bootstrap(lambda b, k, n: 100 * (bs.ratio_exp(k, n) / bs.ratio_exp(b, n) - 1), c.base_nll,
+                               c.cand_nll, c.count, seed=seed)
+        base_ppl = float(bs.ratio_exp(c.base_nll, c.count))
+        kl = bs.bootstrap(lambda k, n: k.sum(-1) / n.sum(-1), c.kl, c.count, seed=seed)
+        agree = bs.bootstrap(lambda a, n: 100 * a.sum(-1) / n.sum(-1) - 100, c.agree, c.count, seed=seed)
+        per_unit = np.empty(len(units), dtype=object)
+        offsets = np.concatenate([[0], np.cumsum(c.count).astype(int)])
+        for i in range(len(units)):
+            per_unit[i] = c.kl_tokens[offsets[i] : offsets[i + 1]]
+        p99 = bs.bootstrap(lambda u: np.array([np.percentile(np.concatenate(list(r)), 99) for r in u]), per_unit,
+                           seed=seed)
+        n = len(units)
+        return [
+            MetricResult(task, "ppl", base_ppl, base_ppl + ppl_delta.value, ppl_delta, ppl_pct, False, "", n, note),
+            MetricResult(task, "kl_mean", 0.0, kl.value, kl, None, False, "nats", n, note),
+            MetricResult(task, "kl_p99", 0.0, p99.value, p99, None, False, "nats", n, note),
+            MetricResult(task, "top1_agree", 100.0, 100.0 + agree.value, agree,
+                         bs.Interval(agree.value, agree.low, agree.high), True, "points", n, note),
+        ]
+
+    # ---- multiple choice
+    def choices(self, task: str, rows) -> list[MetricResult]:
+        from quantkit.evals.multiple_choice import choice_groups, score_choices
+
+        rows = [r for r in rows if r.kind == "choice"][: self.spec.limit]
+        groups = choice_groups(rows, self.tok)
+        scores = []
+        for who, loaded in (("baseline", self.base), ("candidate", self.cand)):
+            with self.bar(f"{task}: {who} choices", len(rows)) as advance:
+                scores.append(score_choices(loaded.model, groups, rows, advance=advance))
+        b, c = scores
+        return [self._rate(task, "acc", b.acc, c.acc, f"{len(rows)} rows"),
+                self._rate(task, "acc_norm", b.acc_norm, c.acc_norm, f"{len(rows)} rows")]
+
+    def _rate(self, task: str, metric: str, b: np.ndarray, c: np.ndarray, note: str) -> MetricResult:
+        """A mean of 0/1 per row, reported in percentage points."""
+        delta = bs.bootstrap(lambda x, y: 100 * (y.mean(-1) - x.mean(-1)), b, c, seed=self.spec.seed)
+        base = 100 * float(b.mean())
+        pct = None if base == 0 else bs.bootstrap(
+            lambda x, y: 100 * (y.mean(-1) / np.maximum(x.mean(-1), 1e-12) - 1), b, c, seed=self.spec.seed)
+        return MetricResult(task, metric, base, 100 * float(c.mean()), delta, pct, True, "points", len(b), note)
+
+    # ---- generation
+    def generation(self, task: str, rows) -> list[MetricResult]:
+        from quantkit.evals.generation import answer_prompts, score_generation
+
+        prompts = answer_prompts(rows, self.tok)
+        scores = []
+        for who, loaded in (("baseline", self.base), ("candidate", self.cand)):
+            with self.bar(f"{task}: {who} generation", len(rows)) as advance:
+                scores.append(score_generation(loaded.model, self.tok, rows, prompts, self.spec.max_new_tokens,
+                                               advance=advance))
+        b, c = scores
+        note = f"{len(rows)} rows, greedy, {self.spec.max_new_tokens} new tokens"
+        return [self._rate(task, "exact_match", b.exact_match, c.exact_match, note),
+                self._rate(task, "contains", b.contains, c.contains, note)]
+
+    # ---- a user data file: every kind of row it holds
+    def data_file(self, path: Path) -> list[MetricResult]:
+        rows = read_rows(path)
+        task = path.stem if path.is_file() else path.name
+        by_kind: dict[str, list] = {}
+        for r in rows:
+            by_kind.setdefault(r.kind, []).append(r)
+        out = []
+        if "text" in by_kind:
+            out += self.text(task, read_text(path))
+        scored = [r for k in ("chat", "completion") for r in by_kind.get(k, [])][: self.spec.limit]
+        if scored:
+            out += self._compare(f"{task}:replies", self._reply_units(scored),
+                                 f"{len(scored)} rows, assistant/completion tokens")
+        if "choice" in by_kind:
+            out += self.choices(task, by_kind["choice"])
+        if "answer" in by_kind:
+            out += self.generation(task, by_kind["answer"][: self.spec.limit])
+        return out
+
+    def _reply_units(self, rows) -> list[tuple[list[int], list[bool]]]:
+        units = []
+        for r in rows:
+            ids, mask = tokenize_row(r, self.tok)
+            ids, mask = ids[: self.spec.seq_len], [False] + mask[1 : self.spec.seq_len]
+            if any(mask):
+                units.append((ids, mask))
+        if not units:
+            raise QuantkitError(f"{rows[0].where.rsplit(':', 1)[0]}: no assistant/completion tokens to score "
+                                f"within the first {self.spec.seq_len} tokens of any row")
+        return units
+
+    # ---- any lm-eval task, paired by document
+    def lm_eval(self, tasks: list[str]) -> list[MetricResult]:
+        from quantkit.evals.lm_eval_bridge import QuantkitLM, run_tasks, user_task
+
+        specs = [user_task(t) if Path(t).exists() else t for t in tasks]
+        with self.bar(f"lm-eval {', '.join(tasks)}: baseline", 1) as advance:
+            base = run_tasks(QuantkitLM(loaded=self.base), specs, self.spec.limit)
+            advance(1)
+        with self.bar(f"lm-eval {', '.join(tasks)}: candidate", 1) as advance:
+            cand = run_tasks(QuantkitLM(loaded=self.cand), specs, self.spec.limit)
+            advance(1)
+        out = []
+        for name, b in base.items():
+            c = cand[name]
+            for metric, agg in b.aggregation.items():
+                out.append(self._lm_eval_metric(name, metric, agg, b.values[metric], c.values[metric],
+                                                b.higher_is_better[metric]))
+        return out
+
+    def _lm_eval_metric(self, task, metric, agg, b_values, c_values, higher) -> MetricResult:
+        """lm-eval's own aggregation of per-document values; means of 0/1 become percentage points."""
+        b_arr, c_arr = np.empty(len(b_values), dtype=object), np.empty(len(c_values), dtype=object)
+        b_arr[:], c_arr[:] = b_values, c_values
+        binary = getattr(agg, "__name__", "") == "mean" and all(v in (0, 1, 0.0, 1.0, True, False)
+                                                                for v in list(b_values) + list(c_values))
+        scale = 100.0 if binary else 1.0
+
+        def stat(x, y):
+            return np.array([scale * (agg(list(yr)) - agg(list(xr))) for xr, yr in zip(x, y)])
+
+        base, candv = scale * float(agg(list(b_values))), scale * float(agg(list(c_values)))
+        delta = bs.bootstrap(stat, b_arr, c_arr, seed=self.spec.seed)
+        pct = None if base == 0 else bs.Interval(100 * (candv / base - 1), 100 * ((base + delta.low) / base - 1),
+                                                 100 * ((base + delta.high) / base - 1))
+        return MetricResult(task, metric, base, candv, delta, pct, higher, "points" if binary else "",
+                            len(b_values), "lm-eval")

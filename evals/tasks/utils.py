@@ -1,0 +1,47 @@
+"""Offline data for the task YAMLs beside this file (lm-eval calls these through `!function utils.NAME`):
+every loader reads ../shared/data (quantkit.data.shared_data_dir) and returns a DatasetDict with a "test" split."""
+
+from __future__ import annotations
+
+import re
+
+import datasets
+from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa: F401 (YAML)
+
+from quantkit.data import read_rows, shared_data_dir
+from quantkit.evals.multiple_choice import prompt_of
+
+ARTICLE_TITLE = re.compile(r"^ = [^=].* = $")
+
+
+def choice_dataset(path) -> datasets.DatasetDict:
+    """Multiple-choice rows -> {"query": the prompt lm-eval scores, "choices", "answer", "id"}."""
+    rows = read_rows(path)
+    docs = [{"query": prompt_of(r), "choices": list(r.choices), "answer": r.answer, "id": r.id or r.where}
+            for r in rows if r.kind == "choice"]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
+
+
+def arc_easy(**_metadata) -> datasets.DatasetDict:
+    return choice_dataset(shared_data_dir() / "arc-easy" / "arc_easy_test.jsonl")
+
+
+def piqa(**_metadata) -> datasets.DatasetDict:
+    return choice_dataset(shared_data_dir() / "piqa" / "piqa_validation.jsonl")
+
+
+def hellaswag(**_metadata) -> datasets.DatasetDict:
+    return choice_dataset(shared_data_dir() / "hellaswag" / "hellaswag_val_3000.jsonl")
+
+
+def wikitext(**_metadata) -> datasets.DatasetDict:
+    """wikitext-2 test.txt cut into articles at their " = Title = " lines, each {"page": text} (as lm-eval's
+    wikitext_document_level), scored by lm-eval's own detokenizer and word/byte perplexity."""
+    pages, current = [], []
+    for line in (shared_data_dir() / "wikitext-2" / "test.txt").read_text(encoding="utf-8").splitlines(keepends=True):
+        if ARTICLE_TITLE.match(line.rstrip("\n")) and current:
+            pages.append("".join(current))
+            current = []
+        current.append(line)
+    pages.append("".join(current))
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list([{"page": p} for p in pages if p.strip()])})

@@ -1,0 +1,77 @@
+"""`quantkit eval CANDIDATE`: accuracy delta against the baseline with 95% intervals, report files and a gate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval")
+    def eval_command(
+        candidate: str = typer.Argument(..., help="the quantized model folder (or any model the loader takes)"),
+        baseline: Optional[str] = typer.Option(None, help="default: base_model recorded in quantkit.json"),
+        data: Optional[List[Path]] = typer.Option(None, "--data", help="your own data file (repeatable)"),
+        tasks: Optional[str] = typer.Option(
+            None, help="comma list: wikitext, arc_easy, piqa, hellaswag, an lm-eval task name or a data file "
+                       "run through lm-eval (default: wikitext,arc_easy when no --data)"),
+        limit: Optional[int] = typer.Option(500, help="rows per task / data file"),
+        windows: Optional[int] = typer.Option(40, help="text windows per task / data file"),
+        seq_len: int = typer.Option(512, "--seq-len", help="perplexity window length L"),
+        max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="greedy tokens for prompt+answer rows"),
+        max_delta: Optional[List[str]] = typer.Option(
+            None, "--max-delta", help="gate, repeatable: acc=-1.0 (points), ppl=+3% (relative), kl=0.05"),
+        recipe: Optional[Path] = typer.Option(None, help="a recipe YAML whose max_delta thresholds apply"),
+        out: Optional[Path] = typer.Option(None, help="report folder (default: CANDIDATE/eval)"),
+    ) -> None:
+        """Evaluate CANDIDATE against its baseline on the same data: perplexity, KL, top-1 agreement,
+        multiple-choice accuracy, generation; paired-bootstrap intervals; exit 1 when a --max-delta is breached."""
+        import sys
+
+        from rich.console import Console
+
+        from quantkit.evals.gate import parse_threshold
+        from quantkit.evals.report import print_table, write
+        from quantkit.evals.runner import EvalSpec, run
+
+        thresholds = [parse_threshold(s) for s in max_delta or []]
+        if recipe is not None:
+            thresholds += recipe_thresholds(recipe)
+        spec = EvalSpec(
+            candidate=candidate, baseline=baseline, data=list(data or []),
+            tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
+            limit=limit, windows=windows, seq_len=seq_len, max_new_tokens=max_new_tokens, thresholds=thresholds,
+        )
+        console = Console(stderr=True)
+        report = run(spec, console=console)
+        out_dir = out if out is not None else (Path(candidate) / "eval" if Path(candidate).is_dir() else Path("quantkit-eval"))
+        print_table(report, Console())
+        paths = write(report, out_dir)
+        console.print(f"wrote {paths['json']}, {paths['md']}, {paths['png']}")
+        for t in report.gate["unchecked"]:
+            console.print(f"gate: {t} matched no measured metric (not checked)")
+        if report.gate["breaches"]:
+            for b in report.gate["breaches"]:
+                print(f"gate breached: {b['message']}", file=sys.stderr)
+            raise typer.Exit(code=1)
+
+
+def recipe_thresholds(path: Path):
+    """A recipe's `max_delta` mapping (top level or under `eval:`)."""
+    import yaml
+
+    from quantkit.errors import QuantkitError
+    from quantkit.evals.gate import thresholds_from_mapping
+
+    if not path.is_file():
+        raise QuantkitError(f"{path}: no such recipe file")
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise QuantkitError(f"{path}: invalid YAML ({e})".replace("\n", " ")) from None
+    section = doc.get("eval") if isinstance(doc.get("eval"), dict) else doc
+    if "max_delta" not in section:
+        raise QuantkitError(f'{path}: no "max_delta" thresholds (top level or under "eval:")')
+    return thresholds_from_mapping(section["max_delta"], str(path))
