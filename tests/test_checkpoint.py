@@ -4,6 +4,7 @@ lists; tampering, truncation and missing files are caught by name; writes are at
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -257,3 +258,20 @@ def test_info_names_a_tampered_file(saved, tmp_path):
     (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
     result = CliRunner().invoke(_typer_app, ["info", str(folder)])
     assert result.exit_code != 0 and "config.json: sha256 does not match" in str(result.exception)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None, reason="compressed-tensors is not installed")
+@pytest.mark.parametrize("scheme", [QuantScheme(bits=4, group_size=32, sym=False), QuantScheme(bits=8, group_size=-1, sym=True)],
+                         ids=["w4g32-asym", "w8ch-sym"])
+def test_transformers_with_compressed_tensors_decompresses_to_our_weights(scheme, tmp_path, tokenizer):
+    """The real compressed-tensors library (via transformers) reads our folder: its dense fp16 weights equal
+    dequantize(qt) rounded to fp16, bit for bit. Runs where compressed-tensors is installed (not a quantkit dependency)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    hf_config = tiny_hf_config(torch_dtype="float16")
+    model = quantized_model(hf_config, scheme)
+    out = save_checkpoint(tmp_path / "ck", model, hf_config, tokenizer, "compressed-tensors", {"method": "rtn"})
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False))
+    state = hf.state_dict()
+    for name, m in qlinear_modules(model).items():
+        assert torch.equal(state[f"{name}.weight"].half(), dequantize(m.qtensor(), torch.float16)), name

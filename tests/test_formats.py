@@ -50,9 +50,11 @@ def read(layout: str, tensors: dict, scheme: QuantScheme) -> QTensor:
 def allowed(layout, bits, group_size, sym, act_order) -> bool:
     if layout == "gptq":
         return sym
+    if layout == "gptq_v2":
+        return True
     if layout == "awq":
         return bits == 4 and group_size != -1 and not act_order
-    return True
+    return not act_order  # compressed-tensors 0.20 removed g_idx act-order
 
 
 CASES = [
@@ -167,11 +169,24 @@ def test_compressed_tensors_equals_gptq_transposed(bits):
     assert "weight_g_idx" not in ct
 
 
-def test_compressed_tensors_writes_zero_points_only_when_asymmetric_and_g_idx_only_for_act_order():
+def test_compressed_tensors_writes_zero_points_only_when_asymmetric():
     sym = compressed_tensors.linear_tensors(make_qtensor(4, 32, sym=True), MODULE)
     assert set(sym) == {"weight_packed", "weight_scale", "weight_shape"}
-    act = compressed_tensors.linear_tensors(make_qtensor(4, 32, sym=False, act_order=True), MODULE)
-    assert set(act) == {"weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"}
+    asym = compressed_tensors.linear_tensors(make_qtensor(4, 32, sym=False), MODULE)
+    assert set(asym) == {"weight_packed", "weight_scale", "weight_shape", "weight_zero_point"}
+
+
+def test_compressed_tensors_refuses_g_idx_act_order_but_reads_older_folders_that_have_it():
+    qt = make_qtensor(4, 32, sym=False, act_order=True)
+    with pytest.raises(QuantkitError, match=rf"layer {MODULE}: compressed-tensors 0.20\+ rejects act-order .*gptq_v2"):
+        compressed_tensors.linear_tensors(qt, MODULE)
+    # an older llm-compressor folder: actorder "group" and weight_g_idx next to the GPTQ-equivalent tensors
+    gp = gptq.linear_tensors(qt, MODULE, v1=False)
+    tensors = {"weight_packed": gp["qweight"].T.contiguous(), "weight_scale": qt.scales, "weight_g_idx": qt.g_idx,
+               "weight_zero_point": gp["qzeros"].T.contiguous(), "weight_shape": torch.tensor([N, K])}
+    qcfg = compressed_tensors.quantization_config(QuantScheme(bits=4, group_size=32, sym=False), [])
+    qcfg["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    assert qt.equal(compressed_tensors.read_linear(tensors, qcfg, MODULE))
 
 
 def test_quantization_configs_carry_the_keys_readers_need():
@@ -197,8 +212,9 @@ def test_quantization_configs_carry_the_keys_readers_need():
     assert group["weights"] == {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel",
                                 "group_size": None, "actorder": None, "dynamic": False, "observer": "minmax",
                                 "observer_kwargs": {}, "block_structure": None}
-    act = compressed_tensors.quantization_config(scheme, [])["config_groups"]["group_0"]["weights"]
-    assert act["strategy"] == "group" and act["group_size"] == 128 and act["actorder"] == "group"
+    static = QuantScheme(bits=4, group_size=128, sym=True, act_order=True, static_groups=True)
+    act = compressed_tensors.quantization_config(static, [])["config_groups"]["group_0"]["weights"]
+    assert act["strategy"] == "group" and act["group_size"] == 128 and act["actorder"] == "weight"
 
 
 def test_readers_reject_inconsistent_tensors_naming_the_layer():

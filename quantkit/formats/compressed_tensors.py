@@ -7,15 +7,16 @@ Per Linear `<module>` with codes Q [N, K], zeros Z [N, G], scales S [N, G], p = 
   <module>.weight_scale       float16 [N, G]      S
   <module>.weight_shape       int64   [2]         [N, K]
   <module>.weight_zero_point  int32   [N / p, G]  Z packed along N (dim 0); asymmetric only (symmetric: Z = 2^(b-1))
-  <module>.weight_g_idx       int32   [K]         only for act-order with non-monotonic groups ("actorder": "group")
-weight_scale is written in float16 whatever the model dtype, so the stored scales are exactly those the codes were
+  <module>.weight_g_idx       int32   [K]         read only: older llm-compressor act-order ("actorder": "group")
+compressed-tensors 0.20 removed "group" act-order (its config validation now rejects it, and transformers/vLLM parse
+configs with it), so act-order with a non-monotonic g_idx is refused here; static groups ("actorder": "weight") are
+plain contiguous groups and are written. weight_scale is written in float16 whatever the model dtype, so the stored scales are exactly those the codes were
 fitted to (readers cast it to the model dtype on load).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import torch
 
@@ -31,6 +32,11 @@ def linear_tensors(qt: QTensor, module: str) -> dict[str, torch.Tensor]:
     """QTensor -> {suffix: tensor} for one Linear."""
     n, k = qt.shape
     mid = 1 << (qt.bits - 1)
+    if qt.g_idx is not None:
+        raise QuantkitError(
+            f"layer {module}: compressed-tensors 0.20+ rejects act-order groups with a g_idx (actorder='group'): "
+            f"use --format gptq or gptq_v2, or act-order with static groups"
+        )
     if qt.sym and not bool((qt.zeros == mid).all()):
         raise QuantkitError(f"layer {module}: marked symmetric but its zero points are not all {mid}")
     out = {
@@ -40,8 +46,6 @@ def linear_tensors(qt: QTensor, module: str) -> dict[str, torch.Tensor]:
     }
     if not qt.sym:
         out["weight_zero_point"] = pack(qt.zeros, qt.bits, dim=0)  # [N/p, G]
-    if qt.g_idx is not None:
-        out["weight_g_idx"] = qt.g_idx.to(torch.int32)
     return out
 
 
@@ -89,9 +93,6 @@ def weight_args(qcfg: dict, module: str) -> dict:
 
 def quantization_config(scheme: QuantScheme, skipped: list[str]) -> dict:
     """config.json quantization_config for a pack-quantized checkpoint (what llm-compressor writes, vLLM reads)."""
-    actorder: Optional[str] = None
-    if scheme.act_order:
-        actorder = "weight" if scheme.static_groups else "group"
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -105,7 +106,7 @@ def quantization_config(scheme: QuantScheme, skipped: list[str]) -> dict:
                     "symmetric": scheme.sym,
                     "strategy": "channel" if scheme.group_size == -1 else "group",
                     "group_size": None if scheme.group_size == -1 else scheme.group_size,
-                    "actorder": actorder,
+                    "actorder": "weight" if scheme.act_order else None,  # only static groups reach here
                     "dynamic": False,
                     "observer": "minmax",
                     "observer_kwargs": {},
