@@ -60,8 +60,6 @@ async def _json_body(raw_request: Request):
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
 
 
-def engine_alive(engine) -> bool:
-    return not getattr(engine, "errored", False)
 
 
 def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api_key: str | None = None,
@@ -89,7 +87,7 @@ def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api
         return error_response(APIError(error.status_code, str(error.detail)))
 
     def require_engine() -> None:
-        if not engine_alive(engine):
+        if not engine.is_running:
             raise APIError(503, "The engine is not running: see the server log for the error that stopped it.")
 
     @app.post("/v1/completions")

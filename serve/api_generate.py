@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from quantkit.serve.api_logprobs import TokenTexts
+from quantkit.serve.async_engine import EngineDeadError
 from quantkit.serve.metrics import RequestTracker, ServerMetrics
 from quantkit.serve.outputs import RequestOutput
 from quantkit.serve.protocol import (
@@ -226,6 +227,8 @@ class Generation:
                 yield i, out
         except ValueError as e:  # the engine refused the request (add_request validates it)
             raise APIError(400, str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
         finally:
             for rid, tracker in zip(self.engine_ids, self.trackers):
                 if not tracker.done:

@@ -65,13 +65,14 @@ def run_server(options: ServerOptions, engine_config: EngineConfig) -> int:
 
     from quantkit.serve.api import build_app
     from quantkit.serve.async_engine import AsyncLLMEngine
-    from quantkit.serve.llm import LLM
+    from quantkit.serve.llm import build_engine
 
-    llm = LLM(options.model, **asdict(engine_config))
-    engine = AsyncLLMEngine(llm.engine)
+    core = build_engine(options.model, **asdict(engine_config))
+    loaded = core.loaded
+    engine = AsyncLLMEngine(core)
     name = options.served_model_name or default_served_name(options.model)
-    app = build_app(engine, llm.tokenizer, name, llm.engine.max_model_len, api_key=options.api_key,
-                    chat_template=chat_template, model_info=model_info(llm.loaded, engine_config))
+    app = build_app(engine, loaded.tokenizer, name, core.max_model_len, api_key=options.api_key,
+                    chat_template=chat_template, model_info=model_info(loaded, engine_config))
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
     server = uvicorn.Server(config)
@@ -79,7 +80,7 @@ def run_server(options: ServerOptions, engine_config: EngineConfig) -> int:
     # graceful shutdown ends with exit code 0 instead of death by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    log.info("serving %s as %r on http://%s:%d", llm.loaded.source, name, options.host, options.port)
+    log.info("serving %s as %r on http://%s:%d", loaded.source, name, options.host, options.port)
     try:
         server.run()
     finally:

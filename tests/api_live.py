@@ -34,3 +34,18 @@ def live_server(app, startup_timeout: float = 60.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextmanager
+def serving_app(loaded, served_model_name: str, **engine_options):
+    """build_app over a fresh AsyncLLMEngine on an already loaded model; the engine is shut down on exit."""
+    from quantkit.serve.api import build_app
+    from quantkit.serve.async_engine import AsyncLLMEngine
+    from quantkit.serve.llm import build_engine
+
+    core = build_engine(loaded, **engine_options)
+    engine = AsyncLLMEngine(core)
+    try:
+        yield build_app(engine, loaded.tokenizer, served_model_name, core.max_model_len)
+    finally:
+        engine.shutdown(abort_inflight=True)
