@@ -153,6 +153,9 @@ def test_storage_is_the_packed_size():
         layer = QLinear.from_qtensor(make_qtensor(n, k, bits, g, False))
         nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
         assert nbytes == n * k * bits // 8 + n * (k // g) * 3
+    per_channel = QLinear.from_qtensor(make_qtensor(32, 128, 8, -1, True))
+    per_channel(torch.randn(1, 128).bfloat16())
+    assert per_channel._kernel[0] == "int8" and per_channel._kernel[1][1] is per_channel.qweight  # shared, not copied
 
 
 def test_rtn_layer_output_close_to_float_linear():
@@ -162,3 +165,20 @@ def test_rtn_layer_output_close_to_float_linear():
     layer = QLinear.from_qtensor(qt, lin.bias.detach())
     ref = lin(x).detach()
     assert float((layer(x) - ref).abs().max()) < 0.01 * float(ref.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["w4g128-asym-act", "w8g64-asym"])
+def test_cuda_forward_matches_reference_and_keeps_the_qtensor(case):
+    """On CUDA QLinear calls quantkit.kernels.qgemm; fp16 tolerance as in tests/test_kernels_qgemm.py."""
+    n, k, bits, g, sym, act, _ = FAST[case]
+    qt = make_qtensor(n, k, bits, g, sym, act, seed=7)
+    bias = torch.randn(n)
+    layer = QLinear.from_qtensor(qt, bias).to("cuda", torch.float16)
+    x = torch.randn(3, k, device="cuda", dtype=torch.float16)
+    y = layer(x)
+    ref = x.float() @ dequantize(qt).cuda().T + bias.cuda()
+    assert y.dtype == torch.float16 and layer._kernel[0] == "cuda"
+    torch.testing.assert_close(y.float(), ref, rtol=4e-3, atol=2e-2)
+    assert qt.equal(layer.cpu().qtensor())

@@ -11,14 +11,15 @@ The QTensor is rebuilt exactly from these (`qtensor()`), so checkpoint writers s
 
 Forward, chosen per call:
   CUDA              quantkit.kernels.qgemm: prepare(qtensor) once per device, matmul(x, prepared) per call.
-  CPU, bfloat16, few rows (M <= _KERNEL_MAX_M)   torch's packed CPU kernels, repacked once per device:
+  CPU, bfloat16, few rows (M <= _KERNEL_MAX_M)   torch's packed CPU kernels, repacked once per device (a second
+                    copy of the codes: ~0.56 B/weight at 4 bit, ~1.1 for int8_hilo; the int8 path reuses qweight):
       4-bit         _weight_int4pack_mm_for_cpu (tinygemm: w = s * (q - 8) + zf with zf = s * (8 - z))
       8-bit, G = 1  _weight_int8pack_mm on qweight (+ x.sum * s * (128 - z) when asymmetric)
       8-bit, G > 1  two tinygemm calls on the high and low nibbles: q = 16 * hi + lo
   otherwise         dequantize to x's dtype (fp32 math), then F.linear: no cached float weight (memory stays at
-                    the packed size). torch ships vectorized int4/int8 CPU kernels for bfloat16 only (fp32/fp16
-                    inputs take a scalar path 10-100x slower than dequantize + matmul), and for M above the
-                    thresholds one dequantization is cheaper than the kernels; bench/bench_qlinear.py measures both.
+                    the packed size). torch vectorizes its int4/int8 CPU kernels for bfloat16 only: fp32/fp16 inputs
+                    take a scalar path no faster than dequantize + matmul at one row and ~35x slower at 64 rows; and
+                    above the row thresholds one dequantization beats the kernels (bench/qlinear_cpu.py).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.quant.scheme import QTensor, dequantize, num_groups
 
-# Largest row count M for which the packed kernel beats dequantize + matmul (bf16, 1 thread, see bench/).
-_KERNEL_MAX_M = {"int4": 32, "int8": 32, "int8_hilo": 16}
+# Largest row count M for which the packed kernel beats dequantize + matmul (bf16, 1 thread, bench/qlinear_cpu.py:
+# a kernel costs ~22 us per row per 0.9M weights (~45 us for the two-call int8_hilo), one dequantization ~2 ms).
+_KERNEL_MAX_M = {"int4": 64, "int8": 64, "int8_hilo": 32}
 _TINYGEMM_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
 
 
@@ -100,28 +102,30 @@ class QLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if x.is_cuda:
-            y = self._cuda(x2)
+            return self._cuda(x2).reshape(*lead, self.out_features)
+        kernel = self._cpu_kernel() if x.dtype == torch.bfloat16 else None
+        if kernel is not None and 0 < x2.shape[0] <= _KERNEL_MAX_M[kernel[0]]:
+            y = _run_cpu_kernel(kernel, x2)
         else:
-            kernel = self._cpu_kernel() if x.dtype == torch.bfloat16 else None
-            if kernel is not None and x2.shape[0] <= _KERNEL_MAX_M[kernel[0]]:
-                y = _run_cpu_kernel(kernel, x2)
-            else:
-                y = F.linear(x2, dequantize(self.qtensor(), x.dtype))
+            y = F.linear(x2, dequantize(self.qtensor(), x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
 
     def _cuda(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] -> [M, N] via the Triton dequant-GEMM kernels (bias fused there)."""
         from quantkit.kernels import qgemm
 
         if self._kernel is None:
             self._kernel = ("cuda", qgemm.prepare(self.qtensor()))
-        return qgemm.matmul(x2, self._kernel[1]).to(x2.dtype)
+        bias = None if self.bias is None else self.bias.to(x2.dtype)
+        return qgemm.matmul(x2, self._kernel[1], bias)
 
     def _cpu_kernel(self) -> Optional[tuple[str, Any]]:
         """Build (once) the packed-kernel tensors for bf16 inputs; None where no kernel fits this layer."""
         if self._kernel is None:
-            self._kernel = _build_cpu_kernel(self.qtensor()) or ("none", None)
+            int8_weight = self.qweight if self.bits == 8 else None
+            self._kernel = _build_cpu_kernel(self.qtensor(), int8_weight) or ("none", None)
         return None if self._kernel[0] == "none" else self._kernel
 
 
@@ -155,20 +159,21 @@ def _tinygemm_group(g: int, k: int) -> Optional[int]:
     return next((tg for tg in _TINYGEMM_GROUPS if g % tg == 0 and k % tg == 0), None)
 
 
-def _build_cpu_kernel(qt: QTensor) -> Optional[tuple[str, Any]]:
+def _build_cpu_kernel(qt: QTensor, int8_weight: Optional[torch.Tensor] = None) -> Optional[tuple[str, Any]]:
+    """Kernel tensors for bf16 inputs; int8_weight (codes - 128, [N, K]) is reused as is by the per-channel path."""
     n, k = qt.shape
+    s = qt.scales.float()  # [N, G]
+    z = qt.zeros.float()  # [N, G]
+    if qt.bits == 8 and s.shape[1] == 1:  # one group: column order does not matter, no permutation
+        # y = s * (x @ (q - 128).T) + s * (128 - z) * x.sum(-1)
+        w8 = int8_weight if int8_weight is not None else (qt.codes.to(torch.int16) - 128).to(torch.int8)
+        correction = None if bool((qt.zeros == 128).all()) else (s[:, 0] * (128 - z[:, 0]))  # [N] fp32
+        return "int8", (None, w8, s[:, 0].to(torch.bfloat16), correction)
     layout = _contiguous_groups(qt)
     if layout is None:
         return None
     perm, g = layout
     codes = qt.codes if perm is None else qt.codes[:, perm]  # [N, K], groups now contiguous in order
-    s = qt.scales.float()  # [N, G]
-    z = qt.zeros.float()  # [N, G]
-    if qt.bits == 8 and s.shape[1] == 1:
-        # y = s * (x @ (q - 128).T) + s * (128 - z) * x.sum(-1)
-        w8 = (codes.to(torch.int16) - 128).to(torch.int8)
-        correction = None if bool((qt.zeros == 128).all()) else (s[:, 0] * (128 - z[:, 0]))  # [N] fp32
-        return "int8", (perm, w8, s[:, 0].to(torch.bfloat16), correction)
     tg = _tinygemm_group(g, k)
     if tg is None or n % 16 or k % 2:
         return None

@@ -167,13 +167,13 @@ def quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: i
 def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """QTensor -> W' [N, K] in `dtype` (computed in fp32): scales[n, grp(k)] * (codes[n, k] - zeros[n, grp(k)])."""
     n, k = qt.shape
+    w = qt.codes.float()  # [N, K]; updated in place below (same fp32 ops as s * (q - z), fewer allocations)
     if qt.g_idx is None and k % qt.scales.shape[1] == 0:  # contiguous groups: broadcast instead of gathering
         groups = qt.scales.shape[1]
-        codes = qt.codes.float().view(n, groups, k // groups)  # [N, G, g]
-        w = qt.scales.float().unsqueeze(2) * (codes - qt.zeros.float().unsqueeze(2))
-        return w.view(n, k).to(dtype)
-    grp = qt.group_index()
-    w = qt.scales.float()[:, grp] * (qt.codes.float() - qt.zeros.float()[:, grp])
+        w.view(n, groups, k // groups).sub_(qt.zeros.float().unsqueeze(2)).mul_(qt.scales.float().unsqueeze(2))
+    else:
+        grp = qt.group_index()
+        w.sub_(qt.zeros.float()[:, grp]).mul_(qt.scales.float()[:, grp])
     return w.to(dtype)
 
 
