@@ -72,7 +72,7 @@ def _gemm_kernel(
         # x (m, col) at x_ptr + m * stride_xm + col
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0)  # [BM, BK]
-        w = dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, stride_qw, stride_sg,
+        w = dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
                          BITS, GROUP_K, SYM, BLOCK_K)  # [BK, BN] fp32
         acc = mma(x, w.to(x.dtype), acc, FP32_DOT)  # fp32 accumulate
     if HAS_BIAS:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import fp32_dot, mma, quick_bench
-from .dequantize import check_matmul_inputs, dequant_matmul_ref, dequant_tile, weight_args, weight_meta
+from .dequantize import check_matmul_inputs, dequant_matmul_ref, dequant_tile, dequant_tile3, weight_args, weight_meta
 from .repack import PackedWeight
 
 GEMV_MAX_M = 16  # rows one launch handles (tl.dot needs a 16-row tile; more rows go to dequant_gemm)
@@ -69,21 +69,30 @@ def _gemv_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    P: tl.constexpr = 32 // BITS
     for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK] packed rows
+        if BLOCK_M == 1:
+            # CUDA cores: w (j, p, n) = packed row k0 + j*P + p; x gathered in the same [BK/P, P] shape
+            offs_k = k0 + tl.arange(0, BLOCK_K // P)[:, None] * P + tl.arange(0, P)[None, :]  # [BKW, P]
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK] packed rows
         mask_k = offs_k < K
         if HAS_PERM:
-            cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)  # [BK] x columns of these packed rows
+            cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)  # x column of each packed row
         else:
             cols = offs_k
-        w = dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, stride_qw, stride_sg,
-                         BITS, GROUP_K, SYM, BLOCK_K)  # [BK, BN] fp32
-        # x (m, col) at x_ptr + m * stride_xm + col; evict_last: every column tile re-reads x
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0, eviction_policy="evict_last")  # [BM, BK]
         if BLOCK_M == 1:
-            acc += tl.sum(tl.trans(x).to(tl.float32) * w, axis=0)[None, :]  # [1, BN]
+            # x (0, col) at x_ptr + col; evict_last: every column tile re-reads x
+            x = tl.load(x_ptr + cols, mask=mask_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            w = dequant_tile3(qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
+                              BITS, GROUP_K, SYM, BLOCK_K)  # [BKW, P, BN] fp32
+            acc += tl.sum(tl.sum(x[:, :, None] * w, axis=1), axis=0)[None, :]  # [1, BN]
         else:
+            # x (m, col) at x_ptr + m * stride_xm + col
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_last")  # [BM, BK]
+            w = dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
+                             BITS, GROUP_K, SYM, BLOCK_K)  # [BK, BN] fp32
             acc = mma(x, w.to(x.dtype), acc, FP32_DOT)  # fp32 accumulate
     mask_out = mask_m[:, None] & (offs_n < N)[None, :]
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :]  # (m, n) of out

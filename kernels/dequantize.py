@@ -15,39 +15,52 @@ from .repack import PackedWeight
 
 
 @triton.jit
-def dequant_tile(
+def dequant_tile3(
     qw_ptr, s_ptr, z_ptr,  # qweight int32 [KW, N]; scales fp16 [G, N]; zeros uint8 [G, N]
-    k0, offs_k, offs_n, K, N,  # tile start k0 (a multiple of BLOCK_K); offs_k = k0 + arange(BLOCK_K) packed rows
+    k0, offs_n, K, N,  # tile start k0 (a multiple of BLOCK_K) and the tile's columns
     stride_qw, stride_sg,  # row strides of qweight and of scales/zeros (columns are contiguous)
     BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """-> fp32 [BLOCK_K, BLOCK_N] dequantized weight tile; rows >= K and columns >= N come back as 0 codes."""
+    """-> fp32 [BLOCK_K / P, P, BLOCK_N]: element (w, j, n) is packed row k0 + w*P + j; rows >= K are 0 codes."""
     P: tl.constexpr = 32 // BITS
     MAXQ: tl.constexpr = (1 << BITS) - 1
     mask_n = offs_n < N
-    mask_kn = (offs_k < K)[:, None] & mask_n[None, :]
-    # word of packed row k at qw_ptr + (k // P) * stride_qw + n: each word is read P times (same address, so one
-    # memory transaction per warp; L1 serves the repeats); evict_first: weights are streamed once
-    words = tl.load(qw_ptr + (offs_k // P)[:, None] * stride_qw + offs_n[None, :], mask=mask_kn, other=0,
-                    eviction_policy="evict_first")  # [BK, BN] int32
-    code = (words >> ((offs_k % P) * BITS)[:, None]) & MAXQ  # [BK, BN] arithmetic shift, masked to BITS bits
+    # words [k0/P, +BLOCK_K/P) x offs_n, word (w, n) at qw_ptr + w * stride_qw + n: each loaded once, evict_first
+    # (weights are streamed once)
+    offs_w = k0 // P + tl.arange(0, BLOCK_K // P)  # [BKW]
+    words = tl.load(qw_ptr + offs_w[:, None] * stride_qw + offs_n[None, :],
+                    mask=(offs_w * P < K)[:, None] & mask_n[None, :], other=0, eviction_policy="evict_first")
+    shifts = tl.arange(0, P) * BITS  # [P]: packed row w*P + j sits at bits [BITS*j, BITS*(j+1)) of word w
+    code = ((words[:, None, :] >> shifts[None, :, None]) & MAXQ).to(tl.float32)  # [BKW, P, BN]
     if GROUP_K % BLOCK_K == 0:
         # the whole tile lies in group k0 // GROUP_K: one [BN] row of scales (and zeros) per tile
         g = k0 // GROUP_K
-        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, None, :]
         if SYM:
             z = (MAXQ + 1) // 2
         else:
-            z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0).to(tl.float32)[None, None, :]
     else:
         # groups shorter than (or not aligned with) the tile: gather the group row of every packed row
-        g_rows = offs_k // GROUP_K  # [BK]
-        s = tl.load(s_ptr + g_rows[:, None] * stride_sg + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+        g_rows = (k0 + tl.arange(0, BLOCK_K // P)[:, None] * P + tl.arange(0, P)[None, :]) // GROUP_K  # [BKW, P]
+        offs = g_rows[:, :, None] * stride_sg + offs_n[None, None, :]
+        mask = (g_rows * GROUP_K < K)[:, :, None] & mask_n[None, None, :]
+        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if SYM:
             z = (MAXQ + 1) // 2
         else:
-            z = tl.load(z_ptr + g_rows[:, None] * stride_sg + offs_n[None, :], mask=mask_kn, other=0).to(tl.float32)
-    return (code.to(tl.float32) - z) * s
+            z = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32)
+    return (code - z) * s
+
+
+@triton.jit
+def dequant_tile(
+    qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
+    BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dequant_tile3 as a 2D fp32 tile [BLOCK_K, BLOCK_N], row r = packed row k0 + r (the tl.dot operand)."""
+    w = dequant_tile3(qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg, BITS, GROUP_K, SYM, BLOCK_K)
+    return tl.reshape(w, (BLOCK_K, offs_n.shape[0]))
 
 
 @triton.jit
@@ -63,8 +76,7 @@ def _dequantize_kernel(
     k0 = tl.program_id(0) * BLOCK_K
     offs_k = k0 + tl.arange(0, BLOCK_K)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w = dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, K, N, stride_qw, stride_sg,
-                     BITS, GROUP_K, SYM, BLOCK_K)
+    w = dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg, BITS, GROUP_K, SYM, BLOCK_K)
     mask_k = offs_k < K
     if HAS_PERM:
         rows = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)  # [BK] scatter packed rows back to input order
