@@ -79,9 +79,10 @@ def logits(folder: Path) -> torch.Tensor:
     "scheme, chain",
     [
         (QuantScheme(4, GROUP, sym=False), ["gptq_v2", "awq", "compressed-tensors", "gptq_v2"]),
-        (QuantScheme(8, GROUP, sym=True, act_order=True), ["gptq", "compressed-tensors", "gptq_v2", "gptq"]),
+        (QuantScheme(8, GROUP, sym=True, act_order=True), ["gptq", "gptq_v2", "gptq"]),  # only GPTQ holds a g_idx
+        (QuantScheme(8, -1, sym=True), ["compressed-tensors", "gptq", "gptq_v2", "compressed-tensors"]),
     ],
-    ids=["w4-asym", "w8-sym-act-order"],
+    ids=["w4-asym", "w8-sym-act-order", "w8-sym-per-channel"],
 )
 def test_round_trip_gives_the_same_bytes_and_every_hop_the_same_logits(tmp_path, scheme, chain):
     start = write_checkpoint(tmp_path / chain[0], scheme, chain[0])
@@ -104,12 +105,14 @@ def test_round_trip_gives_the_same_bytes_and_every_hop_the_same_logits(tmp_path,
         (QuantScheme(4, GROUP, sym=False), "gptq_v2", "gptq", r"GPTQ v1 \(--format gptq\) stores zero-1 and cannot hold asymmetric zero points"),
         (QuantScheme(8, GROUP, sym=True), "compressed-tensors", "awq", r"AWQ GEMM is 4-bit only \(8-bit requested\)"),
         (QuantScheme(4, GROUP, sym=True, act_order=True), "gptq", "awq", r"AWQ GEMM has no g_idx, so act-order groups cannot be stored"),
+        (QuantScheme(4, GROUP, sym=True, act_order=True), "gptq_v2", "compressed-tensors", r"compressed-tensors 0\.20\+ rejects act-order groups with a g_idx"),
+        (QuantScheme(4, -1, sym=True), "gptq", "awq", r"AWQ GEMM needs a group size"),
     ],
-    ids=["asym-to-gptq-v1", "8bit-to-awq", "act-order-to-awq"],
+    ids=["asym-to-gptq-v1", "8bit-to-awq", "act-order-to-awq", "act-order-to-compressed-tensors", "per-channel-to-awq"],
 )
 def test_refuses_what_a_layout_cannot_hold(tmp_path, scheme, src, fmt, why):
     folder = write_checkpoint(tmp_path / "src", scheme, src)
-    with pytest.raises(QuantkitError, match=rf"^layer model\.layers\.0\.\S+: {why}.*: use --format "):
+    with pytest.raises(QuantkitError, match=rf"^layer model\.layers\.0\.\S+: {why}.*--format "):
         export(folder, fmt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
