@@ -45,7 +45,9 @@ class StreamServer:
         self.app.post("/v1/chat/completions")(self.complete)
 
     async def models(self):
-        return {"object": "list", "data": [{"id": "stream-test", "object": "model"}]}
+        from quantkit.models.loader import bundled_model_dir
+
+        return {"object": "list", "data": [{"id": "stream-test", "object": "model", "root": str(bundled_model_dir())}]}
 
     async def complete(self, request: Request):
         body = await request.json()
@@ -292,6 +294,18 @@ def test_result_block_exact():
     assert data["metrics"]["request_rate"] == "inf"
     assert data["requests"][0]["itl_s"] == pytest.approx([0.2, 0.3])
     assert data["requests"][2]["error"] == "HTTP 500: boom" and data["requests"][2]["ttft_s"] is None
+
+
+def test_model_and_tokenizer_from_the_server(live):
+    from quantkit.benchmark.client import resolve_model_and_tokenizer
+    from quantkit.models.loader import bundled_model_dir
+
+    _, url = live
+    model, tok, source = resolve_model_and_tokenizer(url, None, None)
+    assert model == "stream-test" and source == str(bundled_model_dir())  # the name does not load; its root does
+    assert tok.encode(TOKEN * 3, add_special_tokens=False) == [33662] * 3
+    with pytest.raises(QuantkitError, match="cannot reach"):
+        resolve_model_and_tokenizer("http://127.0.0.1:9", None, None)
 
 
 def test_goodput_parsing():

@@ -148,29 +148,32 @@ async def _run(url, prompts, tokenizer, model, endpoint, request_rate, max_concu
 
 def resolve_model_and_tokenizer(url: str, model: Optional[str], tokenizer: Optional[str],
                                 api_key: Optional[str] = None) -> tuple[str, Any, str]:
-    """(model name to send, tokenizer, where the tokenizer came from): the model defaults to the server's first
-    /v1/models id; the tokenizer to --tokenizer, else that model when it names a local folder or cached Hub id,
-    else the bundled model's."""
+    """(model name to send, tokenizer, where the tokenizer came from). The model defaults to the server's first
+    /v1/models entry; the tokenizer to --tokenizer, else the first of the model name and the entry's `root` (vLLM
+    and quantkit put the served folder there) that loads, else the bundled model's."""
     import httpx
 
     from quantkit.models.loader import load_tokenizer
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=30, trust_env=False)
+    except httpx.HTTPError as e:
+        raise QuantkitError(f"cannot reach {url} ({e}): is the server running?") from None
+    entries = (resp.json().get("data") or []) if resp.status_code == 200 else []
     if model is None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        try:
-            resp = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=30, trust_env=False)
-        except httpx.HTTPError as e:
-            raise QuantkitError(f"cannot reach {url} ({e}): is the server running?") from None
-        data = resp.json().get("data") if resp.status_code == 200 else None
-        if not data:
+        if not entries:
             raise QuantkitError(f"{url}/v1/models answered HTTP {resp.status_code} without a model: pass --model NAME")
-        model = data[0]["id"]
+        model = entries[0]["id"]
     if tokenizer is not None:
         return model, load_tokenizer(tokenizer), tokenizer
-    try:
-        return model, load_tokenizer(model), model
-    except QuantkitError:
-        return model, load_tokenizer(None), "bundled (the model name is not a local folder: pass --tokenizer)"
+    roots = [e.get("root") for e in entries if e.get("id") == model and e.get("root")]
+    for source in [model, *roots]:
+        try:
+            return model, load_tokenizer(source), source
+        except (QuantkitError, OSError):
+            continue
+    return model, load_tokenizer(None), "bundled (neither the model name nor its root loads: pass --tokenizer)"
 
 
 def _request_body(endpoint: str, model: str, prompt: BenchPrompt, tokenizer: Any, ignore_eos: bool) -> dict:
