@@ -1,6 +1,7 @@
 # dequantize - PackedWeight qweight int32 [ceil(K/p), N] -> w [K, N] (input-column order), fp16/bf16/fp32
-"""Dequantize once (the large-M path: then one cuBLAS matmul), plus `dequant_tile`, the tile decoder every
-dequant-GEMM kernel shares.
+"""Dequantize once (the large-M path: then one cuBLAS matmul), plus `dequant_tile3` / `dequant_tile`, the tile
+decoder every dequant-GEMM kernel shares: each packed int32 word is loaded once (coalesced along N) and unpacked in
+registers with p shifts, and a K tile inside one group loads that group's scales (and zeros) once.
 
 W'[k, n] = scales[grp, n] * (code - zeros[grp, n]) with grp = packed row // group_k (repack.py's layout).
 """

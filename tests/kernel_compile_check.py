@@ -1,0 +1,94 @@
+"""Compile every quantkit Triton kernel to a cubin for one GPU architecture without a GPU (the ptxas bundled with
+triton does the last step). Run as `python tests/kernel_compile_check.py 90` with TRITON_INTERPRET unset;
+tests/test_kernels_compile.py runs it for sm_90. Prints "compiled <n> kernels for sm_<arch>".
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from quantkit.kernels import (
+    dequant_gemm, dequant_gemv, dequantize, kv_store, paged_attention, paged_prefill, repack, rmsnorm, silu_gate,
+)
+
+SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory one program may use
+COMPILED: list[str] = []  # names of the kernels compiled so far
+
+
+def compile_for(arch: int, fn, pointers: dict, consts: dict, floats=(), wide=(), warps=4, stages=3):
+    """Compile `fn` for sm_<arch>: pointer args typed by `pointers` (name -> triton dtype string), `floats` fp32
+    scalars, `wide` int64 scalars, every other non-constexpr argument int32."""
+    names = fn.arg_names
+    signature = {}
+    for name in names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+        else:
+            signature[name] = "fp32" if name in floats else "i64" if name in wide else "i32"
+    source = ASTSource(fn=fn, signature=signature, constexprs=consts)
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    assert kernel.asm["cubin"], f"{fn.__name__}: no cubin"
+    assert kernel.metadata.shared <= SMEM_LIMIT[arch], f"{fn.__name__}: {kernel.metadata.shared} B shared memory"
+    COMPILED.append(fn.__name__)
+
+
+WEIGHT_PTRS = dict(qw_ptr="i32", s_ptr="fp16", z_ptr="u8", perm_ptr="i32")
+
+
+def act_ptrs(dtype: str, *names) -> dict:
+    return {name: dtype for name in names}
+
+
+def dequant_gemm_kernels(arch: int) -> None:
+    for bits, group, sym, perm, block_m, dtype in [(4, 128, True, False, 1, "fp16"), (8, 32, False, True, 16, "bf16")]:
+        consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=perm, HAS_BIAS=True, FP32_DOT=False,
+                      BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8)
+        ptrs = {**WEIGHT_PTRS, **act_ptrs(dtype, "x_ptr", "bias_ptr", "out_ptr"), "ws_ptr": "fp32", "cnt_ptr": "i32"}
+        compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts)
+        consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=perm, HAS_BIAS=False, FP32_DOT=False,
+                      BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
+        compile_for(arch, dequant_gemm._gemm_kernel, {**WEIGHT_PTRS, **act_ptrs(dtype, "x_ptr", "bias_ptr", "out_ptr")},
+                    consts, warps=4, stages=4)
+    compile_for(arch, dequantize._dequantize_kernel, {**WEIGHT_PTRS, "out_ptr": "fp16"},
+                dict(BITS=4, GROUP_K=128, SYM=False, HAS_PERM=True, BLOCK_K=64, BLOCK_N=128))
+    compile_for(arch, repack._repack_kernel, dict(codes_ptr="u8", perm_ptr="i32", out_ptr="i32"),
+                dict(BITS=4, HAS_PERM=True, BLOCK_W=16, BLOCK_N=64))
+
+
+def attention_and_layer_kernels(arch: int) -> None:
+    cache = act_ptrs("bf16", "q_ptr", "k_ptr", "v_ptr", "out_ptr")
+    for splits, group in [(1, 4), (8, 8)]:
+        compile_for(arch, paged_attention._decode_split_kernel,
+                    {**cache, "bt_ptr": "i32", "lens_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32"},
+                    dict(GROUP=group, HEAD_DIM=128, NUM_SPLITS=splits, FP32_DOT=False, BLOCK_H=16, BLOCK_D=128,
+                         BLOCK_N=64), floats=("qk_scale",), wide=("stride_kb",))
+    compile_for(arch, paged_attention._decode_merge_kernel,
+                dict(part_out_ptr="fp32", part_lse_ptr="fp32", lens_ptr="i32", out_ptr="bf16"),
+                dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_SPLITS=8, BLOCK_D=128))
+    compile_for(arch, paged_prefill._prefill_kernel, {**cache, "bt_ptr": "i32", "qsl_ptr": "i32", "lens_ptr": "i32"},
+                dict(GROUP=4, HEAD_DIM=128, FP32_DOT=False, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64),
+                floats=("qk_scale",), wide=("stride_kb",))
+    compile_for(arch, kv_store._kv_store_kernel, {**act_ptrs("fp16", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr"),
+                                                  "slot_ptr": "i64"},
+                dict(HEAD_DIM=128, NUM_ELEMS=1024, BLOCK=1024), wide=("stride_cb",))
+    compile_for(arch, rmsnorm._rmsnorm_kernel, act_ptrs("bf16", "x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"),
+                dict(HAS_RESIDUAL=True, BLOCK_H=4096), floats=("eps",), warps=16)
+    compile_for(arch, silu_gate._silu_gate_kernel, act_ptrs("fp16", "g_ptr", "u_ptr", "out_ptr"), dict(BLOCK=1024))
+
+
+def main(arch: int) -> None:
+    assert not triton.knobs.runtime.interpret, "run without TRITON_INTERPRET=1"
+    dequant_gemm_kernels(arch)
+    attention_and_layer_kernels(arch)
+    print(f"compiled {len(COMPILED)} kernels for sm_{arch}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 90)
