@@ -137,6 +137,11 @@ def _decode_merge_kernel(
     tl.store(out_ptr + s * stride_os + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
+def attention_warps(block_d: int) -> int:
+    """Warps per program: 8 for head_dim 128+ (64-token K/V tiles then fit sm_90 registers without spilling)."""
+    return 8 if block_d >= 128 else 4
+
+
 def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
     """Shared assertions of the paged-attention launchers (q [*, Hq, D], caches, block tables, lengths)."""
     assert q.dim() == 3 and k_cache.dim() == 4, "q [*, Hq, D], caches [num_blocks, block_size, Hkv, D]"
@@ -200,6 +205,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, NUM_SPLITS=num_splits, FP32_DOT=fp32_dot(q.dtype),
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        num_warps=attention_warps(block_d), num_stages=2,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, hq)](

@@ -20,7 +20,9 @@ import triton
 import triton.language as tl
 
 from .common import fp32_dot
-from .paged_attention import LOG2E, attention_ref, check_paged_inputs, gather_kv, kv_tile, softmax_step
+from .paged_attention import (
+    LOG2E, attention_ref, attention_warps, check_paged_inputs, gather_kv, kv_tile, softmax_step,
+)
 
 PREFILL_BLOCK_M = 64  # query rows per program on a GPU
 PREFILL_BLOCK_N = 64  # tokens per K/V tile on a GPU
@@ -105,6 +107,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, FP32_DOT=fp32_dot(q.dtype),
         BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=block_n,
+        num_warps=attention_warps(triton.next_power_of_2(d)), num_stages=2,
     )
     return out
 

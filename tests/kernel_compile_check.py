@@ -68,13 +68,13 @@ def attention_and_layer_kernels(arch: int) -> None:
         compile_for(arch, paged_attention._decode_split_kernel,
                     {**cache, "bt_ptr": "i32", "lens_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32"},
                     dict(GROUP=group, HEAD_DIM=128, NUM_SPLITS=splits, FP32_DOT=False, BLOCK_H=16, BLOCK_D=128,
-                         BLOCK_N=64), floats=("qk_scale",), wide=("stride_kb",))
+                         BLOCK_N=64), floats=("qk_scale",), wide=("stride_kb",), warps=8, stages=2)
     compile_for(arch, paged_attention._decode_merge_kernel,
                 dict(part_out_ptr="fp32", part_lse_ptr="fp32", lens_ptr="i32", out_ptr="bf16"),
                 dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_SPLITS=8, BLOCK_D=128))
     compile_for(arch, paged_prefill._prefill_kernel, {**cache, "bt_ptr": "i32", "qsl_ptr": "i32", "lens_ptr": "i32"},
                 dict(GROUP=4, HEAD_DIM=128, FP32_DOT=False, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64),
-                floats=("qk_scale",), wide=("stride_kb",))
+                floats=("qk_scale",), wide=("stride_kb",), warps=8, stages=2)
     compile_for(arch, kv_store._kv_store_kernel, {**act_ptrs("fp16", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr"),
                                                   "slot_ptr": "i64"},
                 dict(HEAD_DIM=128, NUM_ELEMS=1024, BLOCK=1024), wide=("stride_cb",))
