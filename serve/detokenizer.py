@@ -34,6 +34,16 @@ class IncrementalDetokenizer:
         return full[len(head) :]
 
 
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character decodes to U+FFFD, as decode() does)."""
+        decode = self.tokenizer.decode
+        head = decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip)
+        full = decode(self.ids[self.prefix :], skip_special_tokens=self.skip)
+        self.ids = self.ids[len(self.ids) :]
+        self.prefix = self.read = 0
+        return full[len(head) :]
+
+
 def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
     """The earliest stop string that ends within the last new_chars characters: (its start, it), or None."""
     best = None

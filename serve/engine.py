@@ -210,6 +210,8 @@ class LLMEngine:
         if status is None:
             seq.held_back = held_back(seq.text, params.stop) if params.stop else 0
             return
+        if seq.stop_reason is None or isinstance(seq.stop_reason, int):  # not cut at a stop string
+            seq.text += seq.detok.flush() if seq.detok is not None else ""
         seq.held_back = 0
         self.scheduler.remove(seq)
         seq.status = status
