@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import lm_eval.models  # noqa: F401 (lm-eval registers its own models lazily only while the registry is empty)
 import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -102,15 +103,16 @@ class QuantkitLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kwargs.get("max_gen_toks", self._max_gen_toks))
             prompts = [self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):] for i in members]
-            for i, text in zip(members, greedy_generate(self.model, self.tokenizer, prompts, max_new, stop=until)):
+            for i, text in zip(members, greedy_generate(self.loaded, prompts, max_new, stop=until)):
                 out[i] = text
         return out
 
 
-def task_manager():
+def task_manager(include_defaults: bool = True):
+    """lm-eval's task index plus the offline YAMLs in evals/tasks (alone when include_defaults is False: faster)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR))
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=include_defaults)
 
 
 def user_task(path: str | Path) -> dict:
@@ -148,12 +150,12 @@ class TaskSamples:
 def run_tasks(lm: QuantkitLM, tasks: list, limit: Optional[int] = None) -> dict[str, TaskSamples]:
     """Evaluate lm-eval tasks (names, or config dicts from user_task) and return per-document values."""
     from lm_eval.evaluator import evaluate
-    from lm_eval.tasks import get_task_dict
 
-    task_dict = get_task_dict(tasks, task_manager())
+    ours = {p.stem for p in TASKS_DIR.glob("*.yaml")}
+    task_dict = task_manager(any(isinstance(t, str) and t not in ours for t in tasks)).load(list(tasks))
     results = evaluate(lm, task_dict, limit=limit, log_samples=True, bootstrap_iters=0, verbosity="ERROR")
     out = {}
-    for name, task in _leaf_tasks(task_dict).items():
+    for name, task in task_dict["tasks"].items():
         samples = sorted(results["samples"][name], key=lambda s: s["doc_id"])
         agg = task.aggregation()
         hib = task.higher_is_better()
@@ -166,14 +168,3 @@ def run_tasks(lm: QuantkitLM, tasks: list, limit: Optional[int] = None) -> dict[
         )
     return out
 
-
-def _leaf_tasks(task_dict) -> dict:
-    from lm_eval.api.task import Task
-
-    leaves = {}
-    for key, value in task_dict.items():
-        if isinstance(value, Task):
-            leaves[value.config.task] = value
-        elif isinstance(value, dict):
-            leaves.update(_leaf_tasks(value))
-    return leaves

@@ -21,13 +21,27 @@ class PerplexityResult:
 
 def text_windows(tokenizer, text: str, seq_len: int, max_windows: Optional[int] = None) -> torch.Tensor:
     """int64 [W, L]: the text tokenized once without special tokens, cut into non-overlapping windows (tail dropped)."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = _leading_tokens(tokenizer, text, None if max_windows is None else max_windows * seq_len)
     count = len(ids) // seq_len
     if max_windows is not None:
         count = min(count, max_windows)
     if count == 0:
         raise QuantkitError(f"the text has {len(ids)} tokens: fewer than one window of {seq_len} (lower --seq-len)")
     return torch.tensor(ids[: count * seq_len], dtype=torch.int64).view(count, seq_len)
+
+
+def _leading_tokens(tokenizer, text: str, need: Optional[int], margin: int = 64) -> list[int]:
+    """The first `need` tokens of the whole text's tokenization (all when need is None), tokenizing only a prefix cut
+    at a newline: tokens far from the cut do not depend on it, so `margin` spare tokens make the result exact."""
+    chars = 8 * need if need is not None else len(text)
+    while True:
+        cut = text.find("\n", chars)
+        if need is None or cut < 0:
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+        if len(ids) >= need + margin:
+            return ids[:need]
+        chars *= 2
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ def run(spec: EvalSpec, console=None) -> Report:
     from quantkit.models.loader import load_model
 
     start = time.time()
+    data_rows = {Path(p): read_rows(p) for p in spec.data}  # bad rows fail before any model loads
     cand = load_model(spec.candidate)
     base_source = resolve_baseline(spec, cand.quant_meta)
     base = cand if base_source == spec.candidate else load_model(base_source)
@@ -85,8 +86,8 @@ def run(spec: EvalSpec, console=None) -> Report:
                 report.metrics += ev.choices(task, read_rows(shared_data_dir() / folder / name))
             else:
                 lm_eval_tasks.append(task)
-        for path in spec.data:
-            report.metrics += ev.data_file(Path(path))
+        for path, rows in data_rows.items():
+            report.metrics += ev.data_file(path, rows)
         if lm_eval_tasks:
             report.metrics += ev.lm_eval(lm_eval_tasks)
     breaches, unchecked = check(spec.thresholds, report.metrics)
@@ -169,16 +170,14 @@ class _Evaluator:
         scores = []
         for who, loaded in (("baseline", self.base), ("candidate", self.cand)):
             with self.bar(f"{task}: {who} generation", len(rows)) as advance:
-                scores.append(score_generation(loaded.model, self.tok, rows, prompts, self.spec.max_new_tokens,
-                                               advance=advance))
+                scores.append(score_generation(loaded, rows, prompts, self.spec.max_new_tokens, advance=advance))
         b, c = scores
         note = f"{len(rows)} rows, greedy, {self.spec.max_new_tokens} new tokens"
         return [self._rate(task, "exact_match", b.exact_match, c.exact_match, note),
                 self._rate(task, "contains", b.contains, c.contains, note)]
 
     # ---- a user data file: every kind of row it holds
-    def data_file(self, path: Path) -> list[MetricResult]:
-        rows = read_rows(path)
+    def data_file(self, path: Path, rows) -> list[MetricResult]:
         task = path.stem if path.is_file() else path.name
         by_kind: dict[str, list] = {}
         for r in rows:

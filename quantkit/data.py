@@ -91,15 +91,17 @@ def read_rows(path: str | Path) -> list[Row]:
 
 
 def read_text(path: str | Path) -> str:
-    """The text of a data file for perplexity: a .txt file read whole, else text rows joined with "\\n\\n"."""
+    """The text of a data file for perplexity: a .txt file read whole, else its "text" rows joined with "\\n\\n"."""
     path = Path(path)
     if path.suffix == ".txt" and path.is_file():
         text = path.read_text(encoding="utf-8")
         if not text.strip():
             raise QuantkitError(f"{path}: empty file: no text")
         return text
-    rows = read_rows(path)
-    return CONCAT_SEPARATOR.join(row_text(r) for r in rows)
+    texts = [r.text for r in read_rows(path) if r.kind == "text"]
+    if not texts:
+        raise QuantkitError(f'{path}: no "text" rows to measure perplexity on')
+    return CONCAT_SEPARATOR.join(texts)
 
 
 def _jsonl_records(path: Path) -> Iterable[tuple[int, Any]]:

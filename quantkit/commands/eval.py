@@ -59,19 +59,12 @@ def register(app: typer.Typer) -> None:
 
 
 def recipe_thresholds(path: Path):
-    """A recipe's `max_delta` mapping (top level or under `eval:`)."""
-    import yaml
-
+    """The recipe's `max_delta` gate (quantkit.recipes validates the file)."""
     from quantkit.errors import QuantkitError
     from quantkit.evals.gate import thresholds_from_mapping
+    from quantkit.recipes import GATE_KEY, load_recipe
 
-    if not path.is_file():
-        raise QuantkitError(f"{path}: no such recipe file")
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise QuantkitError(f"{path}: invalid YAML ({e})".replace("\n", " ")) from None
-    section = doc.get("eval") if isinstance(doc.get("eval"), dict) else doc
-    if "max_delta" not in section:
-        raise QuantkitError(f'{path}: no "max_delta" thresholds (top level or under "eval:")')
-    return thresholds_from_mapping(section["max_delta"], str(path))
+    recipe = load_recipe(path)
+    if not recipe.max_delta:
+        raise QuantkitError(f'{path}: no "{GATE_KEY}" thresholds to apply (e.g. {GATE_KEY}: {{acc: -1.0, ppl: "+3%"}})')
+    return thresholds_from_mapping(recipe.max_delta, recipe.where[GATE_KEY])
