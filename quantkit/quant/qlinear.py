@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.quant.scheme import QTensor, dequantize, num_groups
+from quantkit.quant.scheme import QTensor, dequantize, num_groups, pack_nibbles, unpack_nibbles
 
 # Largest row count M for which the packed kernel beats dequantize + matmul (bf16, 1 thread, bench/qlinear_cpu.py:
 # a kernel costs ~22 us per row per 0.9M weights (~45 us for the two-call int8_hilo), one dequantization ~2 ms).
@@ -66,7 +66,7 @@ class QLinear(nn.Module):
         layer.to(device)
         with torch.no_grad():
             if qt.bits == 4:
-                layer.qweight.copy_(_pack_nibbles(qt.codes))
+                layer.qweight.copy_(pack_nibbles(F.pad(qt.codes, (0, qt.shape[1] % 2))))
             else:
                 layer.qweight.copy_((qt.codes.to(torch.int16) - 128).to(torch.int8))
             layer.scales_bits.copy_(qt.scales.view(torch.int16))
@@ -85,7 +85,7 @@ class QLinear(nn.Module):
     def _codes(self) -> torch.Tensor:
         """uint8 [N, K]."""
         if self.bits == 4:
-            return _unpack_nibbles(self.qweight, self.in_features)
+            return unpack_nibbles(self.qweight, self.in_features)
         return (self.qweight.to(torch.int16) + 128).to(torch.uint8)
 
     def extra_repr(self) -> str:
@@ -127,18 +127,6 @@ class QLinear(nn.Module):
             int8_weight = self.qweight if self.bits == 8 else None
             self._kernel = _build_cpu_kernel(self.qtensor(), int8_weight) or ("none", None)
         return None if self._kernel[0] == "none" else self._kernel
-
-
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] (values < 16) -> uint8 [N, ceil(K/2)]: code 2j low nibble, 2j+1 high nibble of byte j."""
-    if codes.shape[1] % 2:
-        codes = F.pad(codes, (0, 1))
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
-
-
-def _unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """uint8 [N, ceil(K/2)] -> uint8 [N, K]."""
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)[:, :k]
 
 
 def _contiguous_groups(qt: QTensor) -> Optional[tuple[Optional[torch.Tensor], int]]:

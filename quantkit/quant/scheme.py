@@ -28,6 +28,7 @@ applied before this sequential packing (quantkit/formats/awq.py).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -128,15 +129,14 @@ def fit_qparams(w: torch.Tensor, scheme: QuantScheme, g_idx: Optional[torch.Tens
     n, k = w.shape
     groups = scheme.groups(k, layer)
     w = w.float()
-    if not torch.isfinite(w).all():
-        raise QuantkitError(f"layer {layer or '?'}: weight has NaN/inf values; fix the model before quantizing")
     if g_idx is None:
-        wg = w.reshape(n, groups, k // groups)  # [N, G, g]
-        wmin, wmax = wg.amin(dim=2), wg.amax(dim=2)  # [N, G]
+        wmin, wmax = torch.aminmax(w.reshape(n, groups, k // groups), dim=2)  # [N, G] each
     else:
         index = g_idx.to(device=w.device, dtype=torch.int64).expand(n, k)
         wmin = torch.zeros(n, groups, device=w.device).scatter_reduce(1, index, w, "amin", include_self=False)
         wmax = torch.zeros(n, groups, device=w.device).scatter_reduce(1, index, w, "amax", include_self=False)
+    if not (torch.isfinite(wmin).all() and torch.isfinite(wmax).all()):  # min/max propagate NaN and inf
+        raise QuantkitError(f"layer {layer or '?'}: weight has NaN/inf values; fix the model before quantizing")
     maxq = scheme.maxq
     if scheme.sym:
         absmax = torch.maximum(wmin.abs(), wmax.abs())
@@ -157,11 +157,15 @@ def _round_scale(scale: torch.Tensor) -> torch.Tensor:
 def quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
              g_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
     """w [N, K] float, scales [N, G], zeros [N, G] -> codes uint8 [N, K] = clamp(round(w / s) + z, 0, maxq)."""
-    grp = group_index(w.shape[1], group_size, g_idx, w.device)
-    s = scales.float()[:, grp]  # [N, K]
-    z = zeros.float()[:, grp]  # [N, K]
-    q = torch.round(w.float() / s) + z
-    return q.clamp(0, (1 << bits) - 1).to(torch.uint8)
+    n, k = w.shape
+    groups = scales.shape[1]
+    if g_idx is None and k % groups == 0:  # contiguous groups: broadcast [N, G, 1] over [N, G, g]
+        q = w.float().reshape(n, groups, k // groups) / scales.float().unsqueeze(2)
+        q.round_().add_(zeros.float().unsqueeze(2))
+    else:
+        grp = group_index(k, group_size, g_idx, w.device)
+        q = (w.float() / scales.float()[:, grp]).round_().add_(zeros.float()[:, grp])
+    return q.clamp_(0, (1 << bits) - 1).reshape(n, k).to(torch.uint8)
 
 
 def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -189,24 +193,40 @@ def pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
     Sequential: code i of a run of p sits at bits [bits*i, bits*(i+1)) of its word (lowest index lowest bits).
     A dim whose size is not a multiple of p is zero-padded (unpack takes the true size back).
+    Built bytewise: on a little-endian host byte j of a word holds its bits [8j, 8j + 8), so 4-bit codes are paired
+    into bytes (pack_nibbles) and every 4 consecutive bytes are reinterpreted as one int32.
     """
-    p = 32 // bits
-    x = codes.movedim(dim, -1).to(torch.int64)  # [..., S]
-    pad = -x.shape[-1] % p
+    _check_bits(bits)
+    x = codes.movedim(dim, -1).to(torch.uint8)  # [..., S]
+    pad = -x.shape[-1] % (32 // bits)
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    x = x.reshape(*x.shape[:-1], -1, p)  # [..., S/p, p]
-    shifts = torch.arange(p, device=x.device, dtype=torch.int64) * bits
-    words = (x << shifts).sum(dim=-1)  # [..., S/p] in [0, 2^32)
-    words = torch.where(words >= 2**31, words - 2**32, words)  # same 32 bits as a signed int32
-    return words.to(torch.int32).movedim(-1, dim).contiguous()
+    if bits == 4:
+        x = pack_nibbles(x)  # [..., S/2]
+    words = x.contiguous().flatten().view(torch.int32).reshape(*x.shape[:-1], -1)  # [..., S/p]
+    return words.movedim(-1, dim).contiguous()
 
 
 def unpack(words: torch.Tensor, bits: int, dim: int, size: int) -> torch.Tensor:
     """int32 words -> uint8 codes with `size` entries along `dim` (inverse of `pack`)."""
-    p = 32 // bits
-    x = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF  # [..., W] as unsigned
-    shifts = torch.arange(p, device=x.device, dtype=torch.int64) * bits
-    codes = (x.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., W, p]
-    codes = codes.reshape(*x.shape[:-1], -1)[..., :size]
-    return codes.to(torch.uint8).movedim(-1, dim).contiguous()
+    _check_bits(bits)
+    words = words.to(torch.int32).movedim(dim, -1)  # [..., W]
+    x = words.contiguous().flatten().view(torch.uint8).reshape(*words.shape[:-1], -1)  # [..., 4W] bytes, lowest first
+    if bits == 4:
+        x = unpack_nibbles(x, 2 * x.shape[-1])
+    return x[..., :size].movedim(-1, dim).contiguous()
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., S] (values < 16, S even) -> uint8 [..., S/2]: code 2j in the low nibble of byte j, 2j+1 high."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 [..., B] -> uint8 [..., size] (size <= 2B), inverse of pack_nibbles."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)[..., :size]
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in (4, 8) or sys.byteorder != "little":
+        raise QuantkitError(f"packing supports 4 or 8 bits on little-endian hosts (bits={bits}, {sys.byteorder}-endian)")
