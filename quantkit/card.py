@@ -164,12 +164,45 @@ def base_model_identity(source: str | None) -> tuple[str | None, str | None]:
 
 
 def _bundled_license() -> str | None:
-    import gguf
-
     from quantkit.models.loader import bundled_gguf
 
-    field = gguf.GGUFReader(bundled_gguf()).fields.get("general.license")
-    return str(field.contents()) if field is not None else None
+    return gguf_string(bundled_gguf(), "general.license")
+
+
+# GGUF value types -> struct format (fixed-size scalars); 8 = string, 9 = array (spec: ggml/docs/gguf.md)
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_string(path: Path, key: str) -> str | None:
+    """One string value of a GGUF file's key/value header, read up to that key only (gguf.GGUFReader parses
+    every field, the 49k-entry tokenizer arrays included: ~30 s on a busy CPU)."""
+    import struct
+
+    with open(path, "rb") as f:
+        read = lambda fmt: struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]  # noqa: E731
+        text = lambda: f.read(read("Q")).decode("utf-8", errors="replace")  # noqa: E731
+
+        def skip(kind: int) -> None:
+            if kind in _GGUF_SCALARS:
+                f.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
+            elif kind == 8:
+                f.seek(read("Q"), 1)
+            elif kind == 9:
+                inner, count = read("I"), read("Q")
+                for _ in range(count):
+                    skip(inner)
+            else:
+                raise QuantkitError(f"{path}: GGUF value type {kind} is unknown: the file is damaged")
+
+        if f.read(4) != b"GGUF":
+            raise QuantkitError(f"{path}: not a GGUF file")
+        f.seek(4 + 8, 1)  # version uint32, tensor count uint64
+        for _ in range(read("Q")):  # key/value count
+            name, kind = text(), read("I")
+            if name == key and kind == 8:
+                return text()
+            skip(kind)
+    return None
 
 
 def _cached_card(hub_id: str) -> Path | None:
@@ -221,80 +254,101 @@ def _eval_section(folder: Path, report: dict | None, where: str, facts: Facts) -
             "## Accuracy\n\nNot evaluated yet. Measure it on your own data with\n"
             f"`quantkit eval {where} --data my_eval.jsonl` (baseline: the base model recorded in quantkit.json)."
         )
-    rows = eval_rows(report)
+    settings = report.get("settings") or {}
     lines = [
         "## Accuracy",
         "",
-        "Baseline and quantized model run through the same code on the same rows; the delta is paired, with a 95% "
-        "paired-bootstrap interval.",
+        f"`quantkit eval` against the baseline `{report.get('baseline')}`: both models run through the same code on "
+        "the same rows, and each delta (quantized - baseline) comes with its 95% paired-bootstrap interval "
+        f"({settings.get('bootstrap', '?')} resamples). ↑: higher is better, ↓: lower is better.",
         "",
-        "| task | metric | baseline | quantized | delta (95% CI) | n |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| task | metric | baseline | quantized | delta [95% CI] | unit | n | notes |",
+        "| --- | --- | ---: | ---: | ---: | --- | ---: | --- |",
     ]
-    for r in rows:
+    for r in eval_rows(report):
         lines.append(
-            f"| {r['task']} | {r['metric']} | {_num(r['baseline'])} | {_num(r['candidate'])} | "
-            f"{_num(r['delta'], signed=True)} [{_num(r['lo'], signed=True)}, {_num(r['hi'], signed=True)}] | {r.get('n', '')} |"
+            f"| {r['task']} | {r['metric']} {'↑' if r['higher_is_better'] else '↓'} | {_num(r['baseline'])} | "
+            f"{_num(r['candidate'])} | {_interval(r['delta'])}"
+            + (f" ({_interval(r['delta_pct'], '%')})" if r["delta_pct"] and r["unit"] == "" else "")
+            + f" | {r['unit'] or '-'} | {r['n']} | {r['note']} |"
         )
-    charts = sorted((folder / EVAL_DIR).glob("*.png"))
-    if charts:
-        lines += ["", f"![accuracy deltas with 95% intervals]({EVAL_DIR}/{charts[0].name})"]
+    gate = report.get("gate") or {}
+    if gate.get("thresholds"):
+        verdict = "**failed**: " + "; ".join(b["message"] for b in gate["breaches"]) if gate.get("breaches") else "passed"
+        lines += ["", f"Accuracy gate ({', '.join(gate['thresholds'])}): {verdict}."]
+    chart = folder / EVAL_DIR / "deltas.png"
+    if chart.is_file():
+        lines += ["", f"![accuracy deltas with 95% intervals]({EVAL_DIR}/{chart.name})"]
     return "\n".join(lines)
 
 
 def eval_rows(report: dict) -> list[dict]:
-    """Flatten report.json into rows {task, metric, baseline, candidate, delta, lo, hi, n}."""
+    """report.json (quantkit.evals.report.Report.to_json) -> one row per (task, metric), checked field by field."""
     rows = []
-    for task, metrics in (report.get("tasks") or {}).items():
-        for metric, m in metrics.items():
-            ci = m.get("ci") or m.get("delta_ci") or [None, None]
-            rows.append(
-                {
-                    "task": task,
-                    "metric": metric,
-                    "baseline": m.get("baseline"),
-                    "candidate": m.get("candidate"),
-                    "delta": m.get("delta"),
-                    "lo": ci[0],
-                    "hi": ci[1],
-                    "n": m.get("n", ""),
-                }
-            )
+    for i, m in enumerate(report.get("metrics") or []):
+        missing = [k for k in ("task", "metric", "baseline", "candidate", "delta") if k not in m]
+        if missing:
+            raise QuantkitError(f"{EVAL_DIR}/report.json: metrics[{i}] lacks {', '.join(missing)}: rerun `quantkit eval`")
+        rows.append({"task": m["task"], "metric": m["metric"], "baseline": m["baseline"], "candidate": m["candidate"],
+                     "delta": m["delta"], "delta_pct": m.get("delta_pct"), "unit": m.get("unit", ""),
+                     "higher_is_better": m.get("higher_is_better", True), "n": m.get("n", ""), "note": m.get("note", "")})
     return rows
 
 
-def _num(x, signed: bool = False) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, int) and not isinstance(x, bool):
-        return f"{x:+d}" if signed else str(x)
-    mag = abs(float(x))
-    fmt = ".4f" if mag < 1 else ".3f" if mag < 100 else ".2f"
-    return format(float(x), ("+" if signed else "") + fmt)
+def _interval(iv: dict, suffix: str = "") -> str:
+    """{value, low, high} -> '+1.23 [+0.5, +2.0]' (4 significant digits, signed)."""
+    return f"{iv['value']:+.4g}{suffix} [{iv['low']:+.4g}{suffix}, {iv['high']:+.4g}{suffix}]"
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
 
 
 def _quantization_section(facts: Facts) -> str:
     m = facts.meta
     data = m.get("data") or {}
+    recipe = {k: v for k, v in (m.get("recipe") or {}).items() if v is not None}
     rows = [
-        ("method", facts.method.upper()),
+        ("method", facts.method.upper() + (f" (dampening {m['damp_percent']} of mean diag H)" if m.get("damp_percent") else "")),
         ("bits", facts.bits),
         ("group size", "per-channel" if facts.group_size == -1 else facts.group_size),
         ("zero point", "symmetric (fixed)" if facts.sym else "asymmetric (per group)"),
         ("act-order", f"yes{' (static groups)' if facts.static_groups else ''}" if facts.act_order else "no"),
         ("layout", _LAYOUT_NAMES.get(facts.layout, facts.layout)),
-        ("base model", facts.base_id or facts.base_source or "unknown"),
+        ("base model", f"`{facts.base_source}`" if facts.base_source else facts.base_id or "unknown"),
     ]
     if data:
+        source = data.get("path") or recipe.get("data") or "the default (wikitext-2 valid.txt of the shared data)"
         rows += [
-            ("calibration data", f"`{data.get('path') or 'built-in default'}`"),
+            ("calibration data", f"`{source}`"),
             ("data fingerprint (sha256 of tokens + mask)", f"`{data.get('fingerprint', 'unknown')}`"),
-            ("calibration rows / tokens", f"{data.get('rows', '?')} / {data.get('tokens', '?')}"),
+            ("calibration samples x length", f"{data.get('samples', '?')} x {recipe.get('seq_len', '?')} tokens"),
+            ("rows / tokens used", f"{data.get('rows', '?')} / {data.get('tokens', '?')}"),
         ]
+    if m.get("time_s") is not None:
+        rows.append(("calibration time", f"{m['time_s']} s (quantkit {m.get('quantkit_version', '?')})"))
     lines = ["## Quantization", "", "| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows]
-    if m.get("recipe"):
-        lines += ["", "Recipe:", "", "```yaml", yaml.safe_dump(m["recipe"], sort_keys=False).rstrip(), "```"]
+    lines += _layer_summary(m.get("layers") or [])
+    if recipe:
+        lines += ["", "Recipe (`quantkit calibrate --recipe` takes it as it is):", "", "```yaml",
+                  yaml.safe_dump(recipe, sort_keys=False).rstrip(), "```"]
     return "\n".join(lines)
+
+
+def _layer_summary(layers: list[dict]) -> list[str]:
+    """Per-layer report -> mean loss, the three worst layers, RTN fallbacks."""
+    scored = [e for e in layers if e.get("loss") is not None]
+    if not scored:
+        return []
+    worst = sorted(scored, key=lambda e: e["loss"], reverse=True)[:3]
+    fallbacks = [e["name"] for e in layers if e.get("fallback")]
+    return [
+        "",
+        f"Per-layer reconstruction loss (output MSE on the calibration inputs, quantkit.json `layers`): mean "
+        f"{sum(e['loss'] for e in scored) / len(scored):.4g} over {len(scored)} layers; highest "
+        + ", ".join(f"`{e['name']}` {e['loss']:.4g}" for e in worst)
+        + f". RTN fallbacks: {', '.join(fallbacks) if fallbacks else 'none'}.",
+    ]
 
 
 def _loading_section(facts: Facts) -> str:
@@ -351,9 +405,10 @@ def _usage_section(where: str, facts: Facts) -> str:
             f"vllm serve {where}",
             "```",
             "",
-            "quantkit (the same OpenAI API, on CPU or GPU):",
+            "quantkit (the same OpenAI API, on CPU or GPU; it loads Hub ids from the local cache):",
             "",
             "```bash",
+            *([f"hf download {where}"] if not Path(where).exists() else []),
             f"quantkit serve {where} --port 8000",
             "```",
             "",
@@ -371,30 +426,29 @@ def _usage_section(where: str, facts: Facts) -> str:
 
 
 def _reproduce_section(facts: Facts, report: dict | None, where: str) -> str:
-    m = facts.meta
-    calibrate = m.get("command")
-    if not calibrate:
-        data = (m.get("data") or {}).get("path")
-        base = facts.base_source if facts.base_source and not str(facts.base_source).startswith("bundled:") else ""
-        calibrate = " ".join(
-            x
-            for x in [
-                "quantkit calibrate",
-                base,
-                f"--method {facts.method}",
-                f"--bits {facts.bits}",
-                f"--group-size {facts.group_size}",
-                "" if facts.sym else "--asym",
-                "--act-order" if facts.act_order else "",
-                "--static-groups" if facts.static_groups else "",
-                f"--data {data}" if data else "",
-                f"--format {facts.layout}",
-                "--out OUT",
-            ]
-            if x
-        )
-    lines = ["## Reproduce", "", "```bash", calibrate]
+    recipe = {k: v for k, v in (facts.meta.get("recipe") or {}).items() if v is not None}
+    if not recipe:
+        return ""
+    lines = ["## Reproduce", "", "With the recipe above saved as `recipe.yaml` (the calibration data must give the fingerprint above):", "",
+             "```bash", "quantkit calibrate --recipe recipe.yaml --out OUT"]
     if report is not None:
-        lines.append(report.get("command") or f"quantkit eval OUT --out OUT/{EVAL_DIR}")
+        lines.append(eval_command(report, facts.base_source))
     lines += ["```"]
     return "\n".join(lines)
+
+
+def eval_command(report: dict, base_source: str | None) -> str:
+    """The `quantkit eval` line that re-measures the table, from the settings report.json records."""
+    s = report.get("settings") or {}
+    parts = ["quantkit eval OUT"]
+    if report.get("baseline") and report["baseline"] != base_source:
+        parts.append(f"--baseline {report['baseline']}")
+    if s.get("tasks"):
+        parts.append(f"--tasks {','.join(s['tasks'])}")
+    parts += [f"--data {d}" for d in s.get("data") or []]
+    for flag, key in (("--limit", "limit"), ("--windows", "windows"), ("--seq-len", "seq_len"),
+                      ("--max-new-tokens", "max_new_tokens")):
+        if s.get(key) is not None:
+            parts.append(f"{flag} {s[key]}")
+    parts += [f"--max-delta {t}" for t in (report.get("gate") or {}).get("thresholds") or []]
+    return " ".join(parts)
