@@ -14,7 +14,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from typer.testing import CliRunner
 
+from quantkit.cli import _typer_app
+from quantkit.commands.info import _human
 from quantkit.config import QuantScheme
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import qlinear_modules, read_quantized, save_checkpoint
@@ -226,12 +229,12 @@ def test_reads_an_autoawq_style_folder_packed_independently(tmp_path):
     assert torch.equal(dequantize(qt), scales.float().T.repeat_interleave(g, 1) * (codes - zeros.repeat_interleave(g, 1)).float())
     assert set(q.float_tensors) == {"model.norm.weight"}
 
+    result = CliRunner().invoke(_typer_app, ["info", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "awq" in result.output and "mlp.up_proj" in result.output and "16 x 64" in result.output
+
 
 def test_info_prints_scheme_layout_layers_and_bytes_saved(saved):
-    from typer.testing import CliRunner
-
-    from quantkit.cli import _typer_app
-
     folder, model = saved
     result = CliRunner().invoke(_typer_app, ["info", str(folder)])
     assert result.exit_code == 0, result.output
@@ -243,17 +246,12 @@ def test_info_prints_scheme_layout_layers_and_bytes_saved(saved):
                  if not name.startswith(tuple(qlinear_modules(model))) and name != "lm_head.weight")
     params += sum(m.in_features * m.out_features for m in qlinear_modules(model).values())
     saved_bytes = 2 * params - os.path.getsize(folder / "model.safetensors")
-    from quantkit.commands.info import _human
-
+    assert (_human(1536), _human(3 * 1024**2 + 1)) == ("1.5 KB", "3.0 MB")
     assert f"{_human(saved_bytes)} saved" in out
     assert "method         rtn" in out
 
 
 def test_info_names_a_tampered_file(saved, tmp_path):
-    from typer.testing import CliRunner
-
-    from quantkit.cli import _typer_app
-
     folder = copy_folder(saved[0], tmp_path / "bad")
     (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
     result = CliRunner().invoke(_typer_app, ["info", str(folder)])

@@ -197,6 +197,8 @@ def test_quantization_configs_carry_the_keys_readers_need():
     assert g1["damp_percent"] == 0.01 and g1["lm_head"] is False and g1["true_sequential"] is True
     assert g1["modules_in_block_to_quantize"][0] == ["self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"]
     assert gptq.quantization_config(scheme, "gptq_v2", "llama", [])["checkpoint_format"] == "gptq_v2"
+    static = gptq.quantization_config(QuantScheme(bits=4, group_size=128, act_order=True, static_groups=True), "gptq", "llama", [])
+    assert static["desc_act"] is False and static["static_groups"] is True
     skipped = gptq.quantization_config(scheme, "gptq_v2", "llama", ["model.layers.1.mlp.down_proj"])["dynamic"]
     assert skipped == {r"-:^model\.layers\.1\.mlp\.down_proj$": {}}
 

@@ -93,7 +93,7 @@ def quantization_config(scheme: QuantScheme, layout: str, model_type: str, skipp
         "checkpoint_format": CHECKPOINT_FORMATS[layout],
         "bits": scheme.bits,
         "group_size": scheme.group_size,
-        "desc_act": scheme.act_order,
+        "desc_act": scheme.act_order and not scheme.static_groups,  # static groups keep g_idx = k // g: no reorder
         "sym": scheme.sym,
         "static_groups": scheme.static_groups,
         "true_sequential": True,
