@@ -79,9 +79,11 @@ def _hidden(rel: Path) -> bool:
 
 
 def _default_message(meta: dict | None) -> str:
+    """'Upload GPTQ w4g128 (gptq) checkpoint with quantkit' from quantkit.json."""
     if not meta:
         return "Upload model with quantkit"
-    return f"Upload {meta.get('method', 'quantized').upper()} {meta.get('scheme_name', '')} ({meta.get('layout', '')}) checkpoint with quantkit".replace("  ", " ")
+    words = [meta.get("method", "quantized").upper(), meta.get("scheme_name"), f"({meta['layout']})" if meta.get("layout") else None]
+    return f"Upload {' '.join(w for w in words if w)} checkpoint with quantkit"
 
 
 def _explain(status: int, repo_id: str, revision: str | None, url: str, err: Exception) -> str:

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from quantkit.card import MARKER
+from quantkit.config import QuantScheme
 from quantkit.errors import QuantkitError
+from quantkit.formats.checkpoint import quantization_config
 from quantkit.hub import push
 from tests.hub_standin import HubStandin
 
@@ -26,8 +29,9 @@ def checkpoint(tmp_path):
     (d / "eval").mkdir(parents=True)
     rng = np.random.default_rng(0)
     save_file({"model.layers.0.mlp.down_proj.qweight": rng.integers(-(2**31), 2**31 - 1, (16, 64), dtype=np.int32)}, d / "model.safetensors")
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "gptq"}}))
-    (d / "quantkit.json").write_text(json.dumps({"method": "gptq", "layout": "gptq"}))
+    qcfg = quantization_config(QuantScheme(4, 128), "gptq", "llama", [])
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qcfg}))
+    (d / "quantkit.json").write_text(json.dumps({"method": "gptq", "scheme_name": "w4g128", "layout": "gptq"}))
     (d / "README.md").write_text(CARD)
     (d / "eval" / "report.json").write_text("{}")
     (d / ".cache").mkdir()
@@ -80,8 +84,21 @@ def test_push_private_to_a_branch_then_again(hub, checkpoint):
     # unchanged files are left out of the second commit; the LFS object is not uploaded again
     assert sorted(repo.branches["w4g128"][-1].added) == ["config.json"]
     assert [name for name, _ in hub.calls].count("lfs-put") == 1
-    assert repo.branches["w4g128"][-1].summary == "Upload GPTQ (gptq) checkpoint with quantkit"
+    assert repo.branches["w4g128"][-1].summary == "Upload GPTQ w4g128 (gptq) checkpoint with quantkit"
     assert [c.summary for c in repo.branches["main"]] == ["initial commit"]
+
+
+def test_push_writes_the_model_card_with_the_repo_id(hub, checkpoint):
+    (checkpoint / "README.md").unlink()
+    push(checkpoint, "alice/tiny-gptq")
+    card = hub.repos["alice/tiny-gptq"].branches["main"][-1].added["README.md"].decode()
+    assert card == (checkpoint / "README.md").read_text()  # the card pushed is the one left in the folder
+    assert MARKER in card and "vllm serve alice/tiny-gptq" in card
+    assert [name for name, _ in hub.calls].count("validate-yaml") == 1  # the Hub checked its metadata block
+
+    (checkpoint / "README.md").write_text(card.replace(MARKER + "\n", "") + "My own notes.\n")
+    push(checkpoint, "alice/other")  # without the marker the card is the user's: uploaded as it is
+    assert hub.repos["alice/other"].branches["main"][-1].added["README.md"].decode().endswith("My own notes.\n")
 
 
 def test_bad_token_is_one_clear_line(hub, checkpoint, monkeypatch):
