@@ -52,7 +52,7 @@ def render_card(folder: str | Path, repo_id: str | None = None) -> str:
     hf_config = _read_json(folder / "config.json")
     if hf_config is None:
         raise QuantkitError(f"{folder}: no config.json here: pass a checkpoint folder (`quantkit calibrate --out`)")
-    facts = Facts.of(folder, hf_config, read_meta(folder))
+    facts = Facts.of(hf_config, read_meta(folder))
     report = read_report(folder)
     where = repo_id or str(folder)
     parts = [
@@ -75,21 +75,18 @@ class Facts:
     def __init__(self, hf_config: dict, meta: dict | None, base_id: str | None, base_license: str | None):
         q = hf_config.get("quantization_config") or {}
         self.meta = meta or {}
-        self.quant_method = q.get("quant_method", "")
         self.layout = self.meta.get("layout") or _layout_from_config(q)
-        scheme = self.meta.get("scheme") or {}
-        self.bits = int(scheme.get("bits") or q.get("bits") or _ct_weights(q).get("num_bits") or 0)
-        self.group_size = int(scheme.get("group_size") or q.get("group_size") or _ct_weights(q).get("group_size") or -1)
-        self.sym = bool(scheme.get("sym", q.get("sym", _ct_weights(q).get("symmetric", not q.get("zero_point", False)))))
-        self.act_order = bool(scheme.get("act_order", q.get("desc_act", bool(_ct_weights(q).get("actorder")))))
-        self.static_groups = bool(scheme.get("static_groups", q.get("static_groups", False)))
-        self.method = (self.meta.get("method") or self.quant_method or "quantized").lower()
+        scheme = {**_scheme_from_config(q), **(self.meta.get("scheme") or {})}  # quantkit.json wins
+        self.bits, self.group_size = int(scheme["bits"]), int(scheme["group_size"])
+        self.sym, self.act_order = bool(scheme["sym"]), bool(scheme["act_order"])
+        self.static_groups = bool(scheme.get("static_groups", False))
+        self.method = (self.meta.get("method") or q.get("quant_method") or "quantized").lower()
         self.base_id, self.license = base_id, base_license
         self.base_source = self.meta.get("base_model")
         self.model_name = (base_id or str(self.base_source or hf_config.get("_name_or_path") or "model")).split("/")[-1]
 
     @classmethod
-    def of(cls, folder: Path, hf_config: dict, meta: dict | None) -> Facts:
+    def of(cls, hf_config: dict, meta: dict | None) -> Facts:
         base_id, base_license = base_model_identity((meta or {}).get("base_model"))
         return cls(hf_config, meta, base_id, base_license)
 
@@ -127,8 +124,8 @@ class Facts:
         )
         if self.base_source and str(self.base_source).startswith("bundled:"):
             text += (
-                "\n\nThe base weights are quantkit's bundled copy of the model: its Q4_1 GGUF dequantized to FP16. The "
-                "baseline in the evaluation below is that FP16 model, not the original BF16 release."
+                "\n\nThe base weights are quantkit's bundled copy of the model: its Q4_1 GGUF dequantized to FP16. That "
+                "FP16 copy is the starting point and the eval baseline, not the original BF16 release."
             )
         return text
 
@@ -231,9 +228,18 @@ def _layout_from_config(q: dict) -> str:
     return q.get("quant_method", "")
 
 
-def _ct_weights(q: dict) -> dict:
-    groups = q.get("config_groups") or {}
-    return next(iter(groups.values()), {}).get("weights") or {} if groups else {}
+def _scheme_from_config(q: dict) -> dict:
+    """bits, group_size, sym, act_order of another tool's quantization_config (FORMATS.md keys per layout)."""
+    if q.get("quant_method") == "compressed-tensors":
+        w = next(iter((q.get("config_groups") or {}).values()), {}).get("weights") or {}
+        group = w.get("group_size") if w.get("strategy", "group") == "group" else -1
+        return {"bits": w.get("num_bits", 0), "group_size": group or -1, "sym": w.get("symmetric", True),
+                "act_order": bool(w.get("actorder"))}
+    if q.get("quant_method") == "awq":
+        return {"bits": q.get("bits", 4), "group_size": q.get("group_size", -1), "sym": not q.get("zero_point", True),
+                "act_order": False}
+    return {"bits": q.get("bits", 0), "group_size": q.get("group_size", -1), "sym": q.get("sym", True),
+            "act_order": q.get("desc_act", False), "static_groups": q.get("static_groups", False)}
 
 
 def _read_json(path: Path) -> dict | None:
@@ -429,7 +435,8 @@ def _reproduce_section(facts: Facts, report: dict | None, where: str) -> str:
     recipe = {k: v for k, v in (facts.meta.get("recipe") or {}).items() if v is not None}
     if not recipe:
         return ""
-    lines = ["## Reproduce", "", "With the recipe above saved as `recipe.yaml` (the calibration data must give the fingerprint above):", "",
+    data_note = "the calibration data must give the fingerprint above" if facts.meta.get("data") else "no calibration data"
+    lines = ["## Reproduce", "", f"With the recipe above saved as `recipe.yaml` ({data_note}):", "",
              "```bash", "quantkit calibrate --recipe recipe.yaml --out OUT"]
     if report is not None:
         lines.append(eval_command(report, facts.base_source))

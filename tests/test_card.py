@@ -178,3 +178,14 @@ def test_gguf_string_reads_the_header_gguf_writes(tmp_path):
     assert gguf_string(path, "general.architecture") == "llama"
     assert gguf_string(path, "general.missing") is None
     assert gguf_string(path, "llama.block_count") is None  # not a string
+
+
+@pytest.mark.parametrize("layout", ["gptq_v2", "awq", "compressed-tensors"])
+def test_card_of_another_tools_folder_reads_the_scheme_from_config(tmp_path, layout):
+    """No quantkit.json (a GPTQModel / AutoAWQ / llm-compressor folder): the scheme comes from quantization_config."""
+    folder = checkpoint_meta(tmp_path / "ckpt", QuantScheme(4, 64, sym=False), layout)
+    (folder / "quantkit.json").unlink()
+    card = render_card(folder)
+    assert "4-bit weight-only" in card and "(asymmetric, group size 64)" in card
+    assert "W4g64-asym" in card.splitlines()[card.splitlines().index(MARKER) + 2]  # the title
+    assert "## Reproduce" not in card  # no recipe recorded, so no command is claimed
