@@ -15,9 +15,9 @@ def register(app: typer.Typer) -> None:
         repo: str = typer.Option(..., "--repo", help="OWNER/NAME on the Hub; created if missing"),
         private: bool = typer.Option(False, "--private", help="create the repo private (ignored if it exists)"),
         revision: Optional[str] = typer.Option(None, "--revision", help="branch to commit to (created from main)"),
-        commit_message: Optional[str] = typer.Option(None, "--commit-message"),
+        commit_message: Optional[str] = typer.Option(None, "--commit-message", help="default: 'Upload METHOD SCHEME (LAYOUT) checkpoint with quantkit'"),
     ) -> None:
-        """Upload the folder in one commit (README.md model card generated when absent). Token: HF_TOKEN or `hf auth login`."""
+        """Upload the folder in one commit, model card included (regenerated unless hand-written). Token: HF_TOKEN or `hf auth login`; endpoint: HF_ENDPOINT."""
         from quantkit.hub import push as push_folder
 
         url = push_folder(folder, repo, private=private, revision=revision, commit_message=commit_message)
