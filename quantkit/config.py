@@ -5,7 +5,8 @@ CLI flags and recipe YAML are two constructors of the same objects; validation l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from quantkit.errors import QuantkitError
 
@@ -62,3 +63,114 @@ class QuantScheme:
     def name(self) -> str:
         g = "ch" if self.group_size == -1 else f"g{self.group_size}"
         return f"w{self.bits}{g}{'' if self.sym else '-asym'}{'-act' if self.act_order else ''}"
+
+
+METHODS = ("rtn", "gptq", "awq")
+DATA_MODES = ("concat", "rows")
+# flat keys (recipe YAML and `quantkit calibrate` flags) -> the type each must have
+CALIB_KEYS: dict[str, type] = {
+    "model": str, "method": str, "bits": int, "group_size": int, "sym": bool, "act_order": bool,
+    "static_groups": bool, "format": str, "data": str, "num_samples": int, "seq_len": int, "data_mode": str,
+    "seed": int, "damp": float, "block_size": int, "batch_size": int,
+}
+
+
+def default_layout(method: str, scheme: QuantScheme) -> str:
+    """AWQ -> AWQ GEMM (4-bit) or compressed-tensors (8-bit); GPTQ/RTN -> GPTQ v1 when symmetric, else v2."""
+    if method == "awq":
+        return "awq" if scheme.bits == 4 else "compressed-tensors"
+    return "gptq" if scheme.sym else "gptq_v2"
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    """One calibration run. `quantkit calibrate` flags and recipe YAML both build it through `from_flat`."""
+
+    method: str = "gptq"
+    scheme: QuantScheme = field(default_factory=QuantScheme)
+    layout: str = "gptq"  # on-disk layout of the checkpoint (LAYOUTS)
+    data: Optional[str] = None  # calibration file; None = quantkit.data's default (wikitext-2 valid)
+    num_samples: int = 128
+    seq_len: int = 512
+    data_mode: str = "concat"  # "concat": chunks of a token stream; "rows": one sample per row
+    seed: int = 0
+    damp: float = 0.01  # GPTQ dampening, fraction of mean(diag H)
+    block_size: int = 128  # GPTQ lazy-batch columns
+    batch_size: int = 8  # calibration samples per block forward
+    model: Optional[str] = None  # None = the bundled default
+
+    def __post_init__(self):
+        s, where = self.scheme, f"method {self.method}"
+        if self.method not in METHODS:
+            raise QuantkitError(f"method {self.method!r} is unknown: use one of {', '.join(METHODS)}")
+        if self.layout not in LAYOUTS:
+            raise QuantkitError(f"format {self.layout!r} is unknown: use one of {', '.join(LAYOUTS)}")
+        if self.data_mode not in DATA_MODES:
+            raise QuantkitError(f"data_mode {self.data_mode!r} is unknown: use one of {', '.join(DATA_MODES)}")
+        if s.act_order and self.method != "gptq":
+            raise QuantkitError(f"act_order is a GPTQ option; {where} does not reorder columns: drop --act-order")
+        if s.static_groups and self.method != "gptq":
+            raise QuantkitError(f"static_groups is a GPTQ option; drop --static-groups for {where}")
+        if self.layout == "gptq" and not s.sym:
+            raise QuantkitError(
+                "format gptq (v1) stores zero - 1 and cannot hold asymmetric zeros: use --format gptq_v2, awq or "
+                "compressed-tensors, or --sym"
+            )
+        if self.layout == "awq" and s.bits != 4:
+            raise QuantkitError("format awq (AWQ GEMM) is 4-bit only: use --format gptq_v2 or compressed-tensors for 8 bits")
+        if self.layout in ("awq", "compressed-tensors") and s.act_order and not s.static_groups:
+            raise QuantkitError(f"format {self.layout} has no g_idx for act-order: add --static-groups or use "
+                                f"--format gptq or gptq_v2")
+        if not 0.0 <= self.damp <= 1.0:
+            raise QuantkitError(f"damp={self.damp} must lie in [0, 1] (a fraction of mean(diag H); 0.01 is usual)")
+        for name in ("num_samples", "block_size", "batch_size"):
+            if getattr(self, name) < 1:
+                raise QuantkitError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.seq_len < 2:
+            raise QuantkitError(f"seq_len={self.seq_len} must be at least 2")
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any], where: dict[str, str] | None = None, origin: str = "") -> "CalibConfig":
+        """Flat keys (CALIB_KEYS) -> CalibConfig; missing keys take the defaults (AWQ defaults to asymmetric).
+        Error messages name `where[key]` (`recipe.yaml:3`) for a bad value and `origin` for a bad combination."""
+        where = where or {}
+        for key, value in flat.items():
+            at = where.get(key, key)
+            if key not in CALIB_KEYS:
+                raise QuantkitError(f"{at}: unknown key {key!r} (known: {', '.join(CALIB_KEYS)})")
+            want = CALIB_KEYS[key]
+            ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                ok = True
+            if not ok and value is not None:
+                raise QuantkitError(f"{at}: {key} must be {want.__name__}, got {value!r}")
+        method = flat.get("method") or "gptq"
+        scheme_keys = ("bits", "group_size", "act_order", "static_groups")
+        scheme_args = {k: flat[k] for k in scheme_keys if flat.get(k) is not None}
+        scheme_args["sym"] = flat["sym"] if flat.get("sym") is not None else method != "awq"
+        try:
+            scheme = QuantScheme(**scheme_args)
+            args = {k: flat[k] for k in ("data", "num_samples", "seq_len", "data_mode", "seed", "block_size",
+                                        "batch_size", "model") if flat.get(k) is not None}
+            if flat.get("damp") is not None:
+                args["damp"] = float(flat["damp"])
+            layout = flat.get("format") or default_layout(method, scheme)
+            return cls(method=method, scheme=scheme, layout=layout, **args)
+        except QuantkitError as e:
+            raise QuantkitError(f"{origin}: {e}" if origin else str(e)) from None
+
+    def to_flat(self) -> dict[str, Any]:
+        """The flat keys that rebuild this config (what a recipe holds); `from_flat(to_flat())` == self."""
+        s = self.scheme
+        return {"model": self.model, "method": self.method, "bits": s.bits, "group_size": s.group_size, "sym": s.sym,
+                "act_order": s.act_order, "static_groups": s.static_groups, "format": self.layout, "data": self.data,
+                "num_samples": self.num_samples, "seq_len": self.seq_len, "data_mode": self.data_mode,
+                "seed": self.seed, "damp": self.damp, "block_size": self.block_size, "batch_size": self.batch_size}
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Everything that changes the calibrated weights (the work folder is reused only when these match)."""
+        return {
+            "method": self.method, "scheme": self.scheme.__dict__, "data_mode": self.data_mode,
+            "num_samples": self.num_samples, "seq_len": self.seq_len, "seed": self.seed, "damp": self.damp,
+            "block_size": self.block_size, "batch_size": self.batch_size,
+        }

@@ -18,6 +18,16 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one intra-op thread for a module of tiny-tensor tests: on the shared 2-core machine the second
+    thread only adds synchronisation (10-20x slower per op under load). Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def bundled():
     """quantkit.models.loader.Loaded for the bundled SmolLM2-135M-Instruct, fp32, CPU."""

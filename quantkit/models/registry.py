@@ -33,6 +33,8 @@ class ArchSpec:
     # GPTQ true-sequential order inside a block: each sub-list is quantized together, its outputs feed the next
     sequential: tuple[tuple[str, ...], ...]
     awq_groups: tuple[ScalingGroup, ...]
+    # AWQ clips every Linear's weights except these (q/k feed a softmax through RoPE: clipping them hurts)
+    awq_no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
 
     @property
     def linears(self) -> tuple[str, ...]:

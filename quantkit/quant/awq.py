@@ -1,5 +1,5 @@
 """AWQ (Lin et al., 2023, "AWQ: Activation-aware Weight Quantization for LLM Compression"), as pure tensor
-functions. The driver (quant/calibrate.py) collects the statistics; the method in quant/methods.py applies them.
+functions. The driver (quant/calibrate.py) collects the statistics; the `AWQ` class at the bottom applies them.
 
 Everything the search needs about a group's input X [T, K] is two statistics gathered in one pass:
   m = mean |x| per channel [K]   and   H = X^T X / T [K, K]  (the Hessian GPTQ uses, quant/gptq.py).
@@ -17,14 +17,15 @@ minimising that group's partial-output error dw_g H_gg dw_g^T.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from quantkit.config import QuantScheme
+from quantkit.models.registry import ArchSpec
 from quantkit.quant.gptq import output_error
-from quantkit.quant.scheme import dequantize, quantize_rtn
+from quantkit.quant.scheme import QTensor, dequantize, quantize_rtn
 
 N_GRID = 20
 MAX_SHRINK = 0.5
@@ -95,9 +96,9 @@ def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) 
             linear.weight.mul_(s.to(linear.weight.dtype)[None, :])
 
 
-def scale_statistics(x_mean: torch.Tensor, h: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The statistics of x / s given those of x: (m / s, H / (s s^T))."""
-    return x_mean / s, h / (s[:, None] * s[None, :])
+def scale_hessian(h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """H [K, K] of x -> the H of x / s: H / (s s^T)."""
+    return h / (s[:, None] * s[None, :])
 
 
 def search_clip(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, n_grid: int = N_GRID,
@@ -129,3 +130,54 @@ def clip_weight(weight: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
     w = weight.float().reshape(n, max_val.shape[1], -1)
     return torch.maximum(torch.minimum(w, max_val[..., None]), -max_val[..., None]).reshape(n, k)
 
+
+
+class AWQ:
+    """AWQ as a calibration method of the driver: all of a block's Linears in one stage, statistics of the float
+    block; every scaling group is searched on the float weights, then all scales are folded, then clip + round."""
+
+    name = "awq"
+    needs = ("hessian", "magnitude")
+    true_sequential = False
+
+    def __init__(self, scheme: QuantScheme, spec: ArchSpec, n_grid: int = N_GRID):
+        self.scheme, self.spec, self.n_grid = scheme, spec, n_grid
+
+    def search_and_fold(self, block: nn.Module, names: list[str], stats: dict
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """Search every scaling group on the float weights, then fold all scales into the block (its float
+        outputs do not change). Returns each Linear's input Hessian after scaling and the search report."""
+        linears = {n: block.get_submodule(n) for n in names}
+        hessians: dict[int, torch.Tensor] = {}  # id(stats) -> H of that input
+        for st in stats.values():
+            hessians.setdefault(id(st), st.hessian())
+        h_of = {n: hessians[id(stats[n])] for n in names}
+
+        found = []  # (group, prev module, ScaleSearch)
+        for group in self.spec.awq_groups:
+            prev, first = block.get_submodule(group.prev), linears[group.linears[0]]
+            if group.needs_equal_heads and prev.weight.shape[0] != first.in_features:
+                continue  # GQA: v_proj's output is narrower than o_proj's input, no per-channel fold exists
+            weight = torch.cat([linears[n].weight.detach() for n in group.linears])  # [sum N, K]
+            st = stats[group.linears[0]]
+            found.append((group, prev, search_scales(weight, st.magnitude(), h_of[group.linears[0]], self.scheme,
+                                                       self.n_grid)))
+
+        info: dict[str, dict] = {n: {} for n in names}
+        for group, prev, search in found:
+            fold_scales(prev, [linears[n] for n in group.linears], search.scales)
+            h_scaled = scale_hessian(h_of[group.linears[0]], search.scales)
+            for n in group.linears:
+                h_of[n] = h_scaled
+                info[n] = {"ratio": search.ratio, "group_loss": search.loss, "group_loss_rtn": search.loss_unscaled}
+        return h_of, info
+
+    def quantize_stage(self, block, names, stats, prefix) -> Iterator[tuple[str, QTensor, dict]]:
+        h_of, info = self.search_and_fold(block, names, stats)
+        for name in names:
+            weight = block.get_submodule(name).weight.detach().float()  # scaled: W s
+            clipped = weight
+            if name not in self.spec.awq_no_clip:
+                clipped = clip_weight(weight, search_clip(weight, h_of[name], self.scheme))
+            qt = quantize_rtn(clipped, self.scheme, layer=prefix + name)
+            yield name, qt, {**info[name], "loss": output_error(weight, dequantize(qt), h_of[name])}

@@ -13,9 +13,10 @@ unless static groups fit every group's qparams up front on the original column o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -86,7 +87,6 @@ def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, da
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
 
-    column = scheme_for_columns(scheme)
     up_front = scheme.static_groups or g == k  # qparams fit once on the original column order
     if up_front:
         scales, zeros = fit_qparams(w, scheme, layer=layer)  # [N, G]
@@ -108,9 +108,25 @@ def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, da
 
     # blocks hold whole groups, so every group's qparams are fit on fully updated columns
     bs = block_size if up_front else max(g, block_size // g * g)
-    group_list = group_of_step.tolist()
-    wt = w.T.contiguous()  # [K, N]: row i is column i in processing order (contiguous rank-1 updates)
-    codes = torch.empty(k, n, dtype=torch.uint8, device=w.device)  # [K, N] processing order
+    with one_cpu_thread(w.device):
+        codes = _sweep(w, u, scales, zeros, group_of_step.tolist(), g, bs, up_front, scheme, layer)
+
+    g_idx = None
+    if perm is not None:
+        inverse = torch.argsort(perm)
+        codes = codes[:, inverse]
+        g_idx = canonical_g_idx(group_of_step[inverse].to(torch.int32), k, scheme.group_size)
+    qt = QTensor(codes.contiguous(), zeros, scales, g_idx, scheme.bits, scheme.group_size, scheme.sym)
+    return qt, GPTQStats(damp_used, output_error(weight, dequantize(qt), h_orig), False, int(dead.sum()))
+
+
+def _sweep(w, u, scales, zeros, group_list, g, bs, up_front, scheme, layer) -> torch.Tensor:
+    """The column sweep of Algorithm 1 on w [N, K] (processing order) with U [K, K]; fills scales/zeros [N, G]
+    as groups are reached (unless fit up front) and returns codes uint8 [N, K] in processing order."""
+    n, k = w.shape
+    column = scheme_for_columns(scheme)
+    wt = w.T.contiguous()  # [K, N]: row i is column i (contiguous rank-1 updates)
+    codes = torch.empty(k, n, dtype=torch.uint8, device=w.device)
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
         w1 = wt[i1:i2].clone()  # [B, N] this block's columns, updated as the sweep goes
@@ -130,17 +146,45 @@ def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, da
             w1[i:].addr_(u1[i, i:], err, alpha=-1.0)
             err1[i] = err
         wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1.0)
-    codes = codes.T
+    return codes.T
 
-    g_idx = None
-    if perm is not None:
-        inverse = torch.argsort(perm)
-        codes = codes[:, inverse]
-        g_idx = canonical_g_idx(group_of_step[inverse].to(torch.int32), k, scheme.group_size)
-    qt = QTensor(codes.contiguous(), zeros, scales, g_idx, scheme.bits, scheme.group_size, scheme.sym)
-    return qt, GPTQStats(damp_used, output_error(weight, dequantize(qt), h_orig), False, int(dead.sum()))
+
+@contextlib.contextmanager
+def one_cpu_thread(device: torch.device):
+    """The sweep is thousands of tiny ops: on CPU, intra-op threads only add synchronisation (20x slower on a
+    busy machine), so it runs on one."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def scheme_for_columns(scheme: QuantScheme) -> QuantScheme:
     """The same bits/symmetry with one group spanning whatever columns it is given."""
     return dataclasses.replace(scheme, group_size=-1, act_order=False, static_groups=False)
+
+
+class GPTQ:
+    """GPTQ as a calibration method of the driver (quant/calibrate.py): one Hessian per distinct input."""
+
+    name = "gptq"
+    needs = ("hessian",)
+    true_sequential = True
+
+    def __init__(self, scheme: QuantScheme, damp: float = 0.01, block_size: int = 128):
+        self.scheme, self.damp, self.block_size = scheme, damp, block_size
+
+    def quantize_stage(self, block, names, stats, prefix) -> Iterator[tuple[str, QTensor, dict]]:
+        hessians: dict[int, torch.Tensor] = {}  # id(stats) -> H: q, k and v share one input
+        for name in names:
+            st = stats[name]
+            if id(st) not in hessians:
+                hessians[id(st)] = st.hessian()
+            weight = block.get_submodule(name).weight
+            qt, s = gptq_quantize(weight, hessians[id(st)], self.scheme, self.damp, self.block_size, prefix + name)
+            yield name, qt, dataclasses.asdict(s)

@@ -1,0 +1,262 @@
+"""The calibration driver shared by every method (RTN, GPTQ, AWQ). The whole loop is `calibrate` below:
+
+    x = embed(tokens)                                   # [N, L, H], on CPU, computed once
+    for each block (only this block on the compute device):
+        for each stage (the registry's true-sequential order [k,v,q] -> [o] -> [up,gate] -> [down]; AWQ: one stage):
+            run the block over x with hooks accumulating each stage Linear's input statistics (stopping early)
+            method.quantize_stage -> QTensors; those Linears now compute with their dequantized weights
+        x = block(x)                                    # the quantized block's outputs feed the next block
+        nn.Linear -> QLinear; the block is written durably to the work folder (a rerun resumes after it)
+The methods (quant/rtn.py, gptq.py, awq.py) only see weights and statistics: `needs` names the statistics
+("hessian": X^T X, "magnitude": sum |x|), `true_sequential` whether they take the stages one at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+import quantkit
+from quantkit.config import CalibConfig
+from quantkit.errors import QuantkitError
+from quantkit.models.registry import arch_spec
+from quantkit.quant.awq import AWQ, accumulate_magnitude
+from quantkit.quant.gptq import GPTQ, accumulate_hessian
+from quantkit.quant.resume import WorkFolder
+from quantkit.quant.rtn import RTN
+from quantkit.quant.scheme import QTensor, dequantize
+
+QTENSOR_FIELDS = ("codes", "zeros", "scales", "g_idx")
+
+
+class InputStats:
+    """Statistics of one Linear input over the calibration tokens (Linears fed the same tensor share one)."""
+
+    def __init__(self, k: int, needs: tuple[str, ...], device):
+        self.h_sum = torch.zeros(k, k, device=device) if "hessian" in needs else None  # [K, K] fp32
+        self.abs_sum = torch.zeros(k, device=device) if "magnitude" in needs else None  # [K] fp32
+        self.tokens = self.samples = 0
+
+    def add(self, x: torch.Tensor, mask: torch.Tensor) -> None:
+        """x [B, L, K], mask [B, L] bool: the tokens that count."""
+        if self.h_sum is not None:
+            accumulate_hessian(self.h_sum, x, mask)
+        if self.abs_sum is not None:
+            accumulate_magnitude(self.abs_sum, x, mask)
+        self.tokens += int(mask.sum())
+        self.samples += int(mask.any(dim=1).sum())
+
+    def hessian(self) -> torch.Tensor:
+        return self.h_sum / max(self.tokens, 1)
+
+    def magnitude(self) -> torch.Tensor:
+        return self.abs_sum / max(self.tokens, 1)
+
+
+class _StageDone(Exception):
+    """Raised by a hook once every Linear of the stage has seen its input: the rest of the block is skipped."""
+
+
+def make_method(cfg: CalibConfig, model_type: str):
+    if cfg.method == "rtn":
+        return RTN(cfg.scheme)
+    if cfg.method == "gptq":
+        return GPTQ(cfg.scheme, cfg.damp, cfg.block_size)
+    return AWQ(cfg.scheme, arch_spec(model_type))
+
+
+def token_mask(calib) -> torch.Tensor:
+    """bool [N, L]: real (unpadded) tokens, restricted to assistant/completion tokens when the data has a mask."""
+    n, seq = calib.input_ids.shape
+    valid = torch.arange(seq)[None, :] < calib.lengths[:, None]
+    return valid & calib.mask if calib.mask is not None else valid
+
+
+def check_tokens(mask: torch.Tensor, hidden: int, cfg: CalibConfig, log: Callable[[str], None]) -> None:
+    samples, tokens = mask.shape[0], int(mask.sum())
+    if tokens < hidden:
+        raise QuantkitError(
+            f"calibration data gives {tokens} tokens ({samples} samples x {mask.shape[1]}), fewer than the hidden "
+            f"size {hidden} a full-rank statistic needs: add data or raise --num-samples / --seq-len"
+        )
+    if samples < cfg.num_samples:
+        log(f"warning: the data holds {samples} samples of {cfg.seq_len} tokens, fewer than --num-samples "
+            f"{cfg.num_samples}: calibrating on {tokens} tokens")
+
+
+def model_fingerprint(model: nn.Module, hf_config: dict) -> str:
+    h = hashlib.sha256(json.dumps(hf_config, sort_keys=True, default=str).encode())
+    seen = set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:  # tied weights
+            continue
+        seen.add(t.data_ptr())
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                  needs: tuple[str, ...], batch_size: int, prefix: str, device) -> dict[str, InputStats]:
+    """Run the block over x [N, L, H] (CPU) in batches; returns each named Linear's input statistics."""
+    stats: dict[str, InputStats] = {}
+    seen: dict[int, tuple[torch.Tensor, InputStats]] = {}  # this batch: id(input) -> its stats
+    batch: dict = {}
+
+    def hook(name):
+        def record(module, args):
+            inp = args[0]
+            if id(inp) in seen:
+                stats.setdefault(name, seen[id(inp)][1])
+            else:
+                if not torch.isfinite(inp).all():
+                    raise QuantkitError(
+                        f"calibration inputs of {prefix}{name} contain NaN/inf (samples {batch['range']}): the model "
+                        f"overflows on this data in {inp.dtype}; load it in float32 or check the data"
+                    )
+                st = stats.setdefault(name, InputStats(inp.shape[-1], needs, inp.device))
+                st.add(inp, batch["mask"])
+                seen[id(inp)] = (inp, st)
+            batch["called"].add(name)
+            if len(batch["called"]) == len(names):
+                raise _StageDone
+        return record
+
+    handles = [block.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        for b0 in range(0, x.shape[0], batch_size):
+            b1 = min(b0 + batch_size, x.shape[0])
+            batch.update(mask=mask[b0:b1].to(device), range=f"{b0}-{b1 - 1}", called=set())
+            seen.clear()
+            try:
+                block(x[b0:b1].to(device), positions)
+            except _StageDone:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+        seen.clear()
+    return stats
+
+
+def block_forward(block: nn.Module, x: torch.Tensor, positions: torch.Tensor, batch_size: int, device) -> torch.Tensor:
+    """x [N, L, H] (CPU) -> block(x) [N, L, H] (CPU)."""
+    return torch.cat([block(x[b0:b0 + batch_size].to(device), positions).cpu()
+                      for b0 in range(0, x.shape[0], batch_size)])
+
+
+def qtensor_tensors(name: str, qt: QTensor) -> dict[str, torch.Tensor]:
+    return {f"{name}.{f}": getattr(qt, f).cpu() for f in QTENSOR_FIELDS if getattr(qt, f) is not None}
+
+
+def qtensor_from(tensors: dict[str, torch.Tensor], name: str, cfg: CalibConfig) -> QTensor:
+    s = cfg.scheme
+    return QTensor(*(tensors.get(f"{name}.{f}") for f in QTENSOR_FIELDS), s.bits, s.group_size, s.sym)
+
+
+def swap_in_qlinear(block: nn.Module, name: str, qt: QTensor) -> None:
+    from quantkit.quant.qlinear import QLinear
+
+    parent_name, _, child = name.rpartition(".")
+    parent = block.get_submodule(parent_name) if parent_name else block
+    linear = getattr(parent, child)
+    bias = None if linear.bias is None else linear.bias.detach()
+    setattr(parent, child, QLinear.from_qtensor(qt, bias))
+
+
+def float_tensors(block: nn.Module, linears: list[str]) -> dict[str, torch.Tensor]:
+    """The block's float parameters other than the quantized weights (norms, biases; AWQ rescales norms)."""
+    skip = {f"{n}.weight" for n in linears}
+    return {k: v.detach().cpu() for k, v in block.named_parameters() if k not in skip}
+
+
+def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_dir: Optional[Path] = None,
+              resume: bool = True, device: Optional[str] = None, progress: bool = True,
+              log: Callable[[str], None] = print) -> list[dict]:
+    """Quantize every decoder-block Linear of `model` in place (nn.Linear -> QLinear); returns the per-layer report.
+
+    calib: quantkit.data.CalibData, or None for methods that need no data (RTN).
+    work_dir: where finished blocks are kept (None: no resume); removed by the caller after the checkpoint is saved.
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    spec = arch_spec(hf_config.get("model_type", "llama"))
+    method = make_method(cfg, hf_config.get("model_type", "llama"))
+    needs_data = bool(method.needs)
+    if needs_data and calib is None:
+        raise QuantkitError(f"--method {cfg.method} needs calibration data: pass --data FILE")
+    layers = model.model.layers
+    stages = [list(s) for s in spec.sequential] if method.true_sequential else [list(spec.linears)]
+
+    work = None
+    start = 0
+    if work_dir is not None:
+        fingerprint = {"model": model_fingerprint(model, hf_config),
+                       "data": calib.fingerprint if needs_data else "none",
+                       "config": json.dumps(cfg.fingerprint_fields(), sort_keys=True), "version": quantkit.__version__}
+        work = WorkFolder(work_dir, fingerprint, log)
+        start = work.open(resume, needs_data)
+
+    report: list[dict] = []
+    for i in range(start):  # finished blocks come back from the work folder
+        tensors, block_report = work.load_block(i)
+        floats = float_tensors(layers[i], spec.linears)
+        layers[i].load_state_dict({k: tensors[k] for k in floats}, strict=False)
+        for name in spec.linears:
+            swap_in_qlinear(layers[i], name, qtensor_from(tensors, name, cfg))
+        report += block_report
+
+    x = mask = positions = None
+    if needs_data:
+        mask = token_mask(calib)
+        check_tokens(mask, model.config.hidden_size, cfg, log)
+        x = work.load_inputs() if start else None
+        if x is None:
+            with torch.no_grad():
+                x = model.model.embed_tokens(calib.input_ids)  # [N, L, H]
+        positions = torch.arange(calib.input_ids.shape[1], device=device)
+
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} blocks"),
+               TimeElapsedColumn(), TextColumn("{task.fields[status]}")]
+    with Progress(*columns, disable=not progress) as bar, torch.no_grad():
+        task = bar.add_task(f"{cfg.method} {cfg.scheme.name()}", total=len(layers), completed=start, status="")
+        for i in range(start, len(layers)):
+            prefix, block = f"model.layers.{i}.", layers[i].to(device)
+            qts: dict[str, QTensor] = {}
+            block_report: list[dict] = []
+            for stage in stages:
+                t0 = time.perf_counter()
+                stats = (capture_stage(block, stage, x, mask, positions, method.needs, cfg.batch_size, prefix, device)
+                         if needs_data else {})
+                for name, qt, info in method.quantize_stage(block, stage, stats, prefix):
+                    linear = block.get_submodule(name)
+                    linear.weight.data = dequantize(qt, linear.weight.dtype)
+                    qts[name] = qt.to("cpu")
+                    st, t1 = stats.get(name), time.perf_counter()
+                    # time_s: since the previous layer; a stage's first layer includes the forward that fed it
+                    block_report.append({"name": prefix + name, "samples": st.samples if st else 0,
+                                         "tokens": st.tokens if st else 0, **info, "time_s": round(t1 - t0, 3)})
+                    t0 = t1
+                    loss = info.get("loss")
+                    bar.update(task, status=f"{name} loss {loss:.4g}" if loss is not None else name)
+            if needs_data:
+                x = block_forward(block, x, positions, cfg.batch_size, device)
+            block.cpu()
+            tensors = float_tensors(block, spec.linears)
+            for name, qt in qts.items():
+                tensors.update(qtensor_tensors(name, qt))
+                swap_in_qlinear(block, name, qt)
+            if work is not None:
+                work.save_block(i, tensors, block_report)
+                if needs_data:
+                    work.save_inputs(i + 1, x)
+            report += block_report
+            bar.update(task, advance=1)
+    return report

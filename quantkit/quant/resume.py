@@ -1,0 +1,100 @@
+"""The work folder of a calibration run: each finished block is written durably, so a run killed at any point
+continues at the first unfinished block and ends with the same bytes.
+
+    manifest.json            {"fingerprint": {"model", "data", "config", "version"}}: reused only when all match
+    block_NNN.safetensors    the block's QTensors (`<linear>.codes/.zeros/.scales[/.g_idx]`) and float tensors;
+                             metadata "report": the block's per-layer report (JSON)
+    inputs.safetensors       "x": the next block's inputs [N, L, H]; metadata "next_block"
+A block counts as done when its file exists and inputs.safetensors says the run is past it (or no inputs are
+needed). Every file is written to a temporary name, fsynced and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quantkit.errors import QuantkitError
+
+
+def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors file written to a temporary name, fsynced, then renamed over `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise QuantkitError(f"{path}: unreadable work file ({e}); rerun with --no-resume") from None
+
+
+class WorkFolder:
+    def __init__(self, path: Path, fingerprint: dict[str, str], log: Callable[[str], None]):
+        self.path, self.fingerprint, self.log = Path(path), fingerprint, log
+
+    def open(self, resume: bool, needs_inputs: bool) -> int:
+        """Prepare the folder; returns the first block to calibrate (0 unless a matching run is resumed)."""
+        manifest = self.path / "manifest.json"
+        if self.path.exists():
+            old = json.loads(manifest.read_text()).get("fingerprint", {}) if manifest.is_file() else {}
+            changed = [k for k in self.fingerprint if old.get(k) != self.fingerprint[k]]
+            if resume and not changed:
+                start = self._done_blocks(needs_inputs)
+                if start:
+                    self.log(f"resuming from {self.path}: blocks 0-{start - 1} are done")
+                return start
+            if resume and old:
+                self.log(f"{self.path} holds a run with a different {', '.join(changed)}: starting fresh")
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True)
+        tmp = manifest.with_name("manifest.json.tmp")
+        tmp.write_text(json.dumps({"fingerprint": self.fingerprint}, indent=1))
+        os.replace(tmp, manifest)
+        return 0
+
+    def _done_blocks(self, needs_inputs: bool) -> int:
+        n = 0
+        while (self.path / f"block_{n:03d}.safetensors").is_file():
+            n += 1
+        if not needs_inputs:
+            return n
+        inputs = self.path / "inputs.safetensors"
+        if not inputs.is_file():
+            return 0
+        with safe_open(str(inputs), framework="pt") as f:
+            return min(n, int((f.metadata() or {}).get("next_block", 0)))
+
+    def save_block(self, index: int, tensors: dict[str, torch.Tensor], report: list[dict]) -> None:
+        atomic_save(tensors, self.path / f"block_{index:03d}.safetensors", {"report": json.dumps(report)})
+
+    def load_block(self, index: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        tensors, meta = _load(self.path / f"block_{index:03d}.safetensors")
+        return tensors, json.loads(meta["report"])
+
+    def save_inputs(self, next_block: int, x: torch.Tensor) -> None:
+        atomic_save({"x": x}, self.path / "inputs.safetensors", {"next_block": str(next_block)})
+
+    def load_inputs(self) -> Optional[torch.Tensor]:
+        path = self.path / "inputs.safetensors"
+        return _load(path)[0]["x"] if path.is_file() else None
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=False)

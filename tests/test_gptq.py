@@ -1,0 +1,101 @@
+"""GPTQ math on tiny cases: a hand-solved answer, never worse than RTN, the dampening escalation, act-order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.config import QuantScheme
+from quantkit.quant.gptq import gptq_quantize, hessian, output_error
+from quantkit.quant.scheme import dequantize, quantize_rtn
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
+
+
+def correlated_inputs(t: int, k: int, seed: int = 0) -> torch.Tensor:
+    """x [t, k] with correlated channels of unequal scale (what makes GPTQ's updates matter)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k**0.5
+    return (torch.randn(t, k, generator=g) @ mix + 0.3 * torch.randn(t, k, generator=g)) * torch.rand(k, generator=g).add(0.2)
+
+
+def test_hessian_is_mean_outer_product_with_mask():
+    x = torch.randn(3, 40, 16, dtype=torch.float64)
+    mask = torch.rand(3, 40) > 0.4
+    ref = x[mask].T @ x[mask] / int(mask.sum())
+    torch.testing.assert_close(hessian(x.float(), mask).double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hessian(x.float()).double(), x.reshape(-1, 16).T @ x.reshape(-1, 16) / 120,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_hand_solved_two_correlated_columns():
+    # per-channel asym 4-bit on the row [-8, 7, 0.4, 0.35]: scale 1, zero 8 (exact for columns 0 and 1).
+    # H = diag(I2, [[1, .5], [.5, 1]]) and no dampening: quantizing column 2 (error 0.4) moves column 3 by
+    # c * 0.4 = 0.2 to 0.55, which rounds to 1 where RTN rounds 0.35 to 0.
+    w = torch.tensor([[-8.0, 7.0, 0.4, 0.35]])
+    h = torch.eye(4)
+    h[2, 3] = h[3, 2] = 0.5
+    scheme = QuantScheme(bits=4, group_size=-1, sym=False)
+    qt, stats = gptq_quantize(w, h, scheme, damp=0.0)
+    assert qt.codes.tolist() == [[0, 15, 8, 9]]
+    assert dequantize(qt).tolist() == [[-8.0, 7.0, 0.0, 1.0]]
+    assert stats.damp == 0.0 and not stats.fallback
+    assert stats.loss == pytest.approx(0.16 + 0.4225 - 0.26, abs=1e-6)  # dW H dW^T with dW = [0, 0, .4, -.65]
+    rtn = quantize_rtn(w, scheme)
+    assert rtn.codes.tolist() == [[0, 15, 8, 8]]
+    assert output_error(w, dequantize(rtn), h) == pytest.approx(0.4225, abs=1e-6)
+
+
+@pytest.mark.parametrize("scheme", [
+    QuantScheme(4, 32, True), QuantScheme(4, 32, False), QuantScheme(8, 32, True), QuantScheme(4, -1, True),
+    QuantScheme(4, 64, True, act_order=True), QuantScheme(4, 32, True, act_order=True, static_groups=True),
+    QuantScheme(4, 96, False, act_order=True),
+], ids=lambda s: s.name() + ("-static" if s.static_groups else ""))
+def test_no_worse_than_rtn_on_random_weights(scheme):
+    torch.manual_seed(1)
+    w = torch.randn(48, 192)
+    h = hessian(correlated_inputs(1024, 192))
+    qt, stats = gptq_quantize(w, h, scheme, block_size=64)
+    rtn_loss = output_error(w, dequantize(quantize_rtn(w, scheme)), h)
+    assert stats.loss == pytest.approx(output_error(w, dequantize(qt), h), rel=1e-5)  # the report is the truth
+    assert stats.loss < 0.8 * rtn_loss
+    assert qt.codes.shape == (48, 192) and int(qt.codes.max()) <= scheme.maxq
+
+
+def test_singular_hessian_escalates_dampening():
+    h = torch.ones(16, 16)  # rank 1: the undamped factorisation hits an exact zero pivot
+    assert torch.linalg.cholesky_ex(h)[1] != 0
+    qt, stats = gptq_quantize(torch.randn(8, 16), h, QuantScheme(4, -1, True), damp=0.0)
+    assert stats.damp == 0.01 and not stats.fallback
+    assert torch.isfinite(dequantize(qt)).all()
+
+
+def test_unfactorisable_hessian_falls_back_to_rtn():
+    w = torch.randn(8, 32)
+    scheme = QuantScheme(4, 16, True)
+    qt, stats = gptq_quantize(w, -torch.eye(32), scheme)  # negative definite: no dampening level helps
+    assert stats.fallback and stats.damp is None
+    assert torch.equal(qt.codes, quantize_rtn(w, scheme).codes)
+
+
+def test_dead_column_is_zeroed():
+    x = correlated_inputs(256, 32)
+    x[:, 5] = 0.0
+    qt, stats = gptq_quantize(torch.randn(16, 32), hessian(x), QuantScheme(4, 16, True))
+    assert stats.dead_columns == 1
+    assert (dequantize(qt)[:, 5] == 0).all()
+
+
+def test_act_order_groups_follow_descending_diagonal():
+    x = correlated_inputs(512, 64, seed=3)
+    h = hessian(x)
+    qt, _ = gptq_quantize(torch.randn(16, 64), h, QuantScheme(4, 16, True, act_order=True))
+    order = torch.argsort(h.diagonal(), descending=True, stable=True)
+    expected = torch.empty(64, dtype=torch.int32)
+    expected[order] = torch.arange(64, dtype=torch.int32) // 16
+    assert qt.g_idx is not None and torch.equal(qt.g_idx, expected)
+    assert torch.bincount(qt.g_idx.long()).tolist() == [16] * 4
+
+    static, _ = gptq_quantize(torch.randn(16, 64), h, QuantScheme(4, 16, True, act_order=True, static_groups=True))
+    assert static.g_idx is None  # static groups keep k // g: no runtime reorder
