@@ -26,8 +26,9 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def card(
         folder: Path = typer.Argument(..., help="checkpoint folder"),
+        repo: Optional[str] = typer.Option(None, "--repo", help="OWNER/NAME the usage snippets name (default: the folder)"),
     ) -> None:
         """Write FOLDER/README.md: metadata, eval table, recipe, calibration data, loading and usage."""
         from quantkit.card import write_card
 
-        typer.echo(f"wrote {write_card(folder)}")
+        typer.echo(f"wrote {write_card(folder, repo)}")
