@@ -2,8 +2,9 @@
 
 Each step the runner hands over one AttentionMetadata; every layer first stores the step's K/V at slot_mapping,
 then attends over the cache. The batch is ordered decodes first (one new token each), then prefill chunks.
-  TorchPagedAttention: CPU (and any dtype): decodes as one masked SDPA over their gathered blocks (GQA folded
-    into the query axis, no K/V repeat); each prefill chunk with SDPA, causal over its cached context.
+  TorchPagedAttention: CPU (and any dtype): decodes with the C kernel of cpu_attention.py when it builds (read
+    through the block tables, no copies), else as one masked SDPA over their gathered blocks (GQA folded into the
+    query axis, no K/V repeat); each prefill chunk with SDPA, causal over its cached context.
   TritonPagedAttention: CUDA fp16/bf16: quantkit.kernels kv_store / paged_attention_decode / _prefill.
 """
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from quantkit.serve.cpu_attention import paged_decode
 
 
 @dataclass
@@ -30,9 +33,10 @@ class AttentionMetadata:
 class TorchPagedAttention:
     """Pure torch paged attention; per step it precomputes the gather/mask tensors all layers share."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float, decode_kernel=None):
         self.kv_caches = kv_caches  # per layer (k_cache, v_cache) [num_blocks, block_size, Hkv, D]
         self.scale = scale
+        self.decode_kernel = decode_kernel  # cpu_attention.load_decode_kernel() or None
         self.meta: AttentionMetadata | None = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
@@ -40,7 +44,10 @@ class TorchPagedAttention:
         block_size = self.kv_caches[0][0].shape[1]
         nd = meta.num_decodes
         self.decode_blocks = self.decode_mask = None
-        if nd:
+        if nd and self.decode_kernel is not None:
+            self.decode_tables = meta.block_tables[:nd].contiguous()
+            self.decode_lens = meta.seq_lens[:nd].contiguous()
+        elif nd:
             lens = meta.seq_lens[:nd].long()
             num_blocks = -(-int(max(meta.seq_lens_host[:nd])) // block_size)
             self.decode_blocks = meta.block_tables[:nd, :num_blocks].long().flatten()
@@ -70,7 +77,10 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         hq = q.shape[1]
         nd = self.meta.num_decodes
-        if nd:
+        if nd and self.decode_kernel is not None:
+            paged_decode(self.decode_kernel, q[:nd].contiguous(), k_cache, v_cache, self.decode_tables,
+                         self.decode_lens, self.scale, out[:nd])
+        elif nd:
             # [Sd, Lp, Hkv, D] -> [Sd, Hkv, Lp, D]; queries [Sd, Hkv, G, D] (the G heads sharing a kv head)
             kk = k_cache.index_select(0, self.decode_blocks).view(nd, -1, hkv, d).transpose(1, 2)
             vv = v_cache.index_select(0, self.decode_blocks).view(nd, -1, hkv, d).transpose(1, 2)

@@ -18,6 +18,8 @@ class EngineConfig:
     cpu_kv_cache_fraction: on CPU without kv_cache_memory, the KV pool gets this fraction of available RAM
     (capped at cpu_kv_cache_max_bytes).  dtype: compute and KV dtype ("auto": bfloat16 on CPU, the checkpoint's
     float16/bfloat16 on CUDA).  seed: the engine generator for requests without their own seed.
+    attention_backend: auto (Triton kernels on CUDA fp16/bf16; on CPU torch SDPA with the C decode kernel),
+    torch (pure torch everywhere), triton.
     """
 
     block_size: int = 16
@@ -33,6 +35,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     log_stats_interval: float = 5.0
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         checks = [
@@ -45,6 +48,7 @@ class EngineConfig:
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
             ("cpu_kv_cache_fraction", 0.0 < self.cpu_kv_cache_fraction <= 1.0, "in (0, 1]"),
             ("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
+            ("attention_backend", self.attention_backend in ("auto", "torch", "triton"), "auto, torch or triton"),
             ("device", self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              "auto, cpu or cuda[:N]"),
         ]

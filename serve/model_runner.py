@@ -20,6 +20,8 @@ from quantkit.errors import QuantkitError
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, TritonPagedAttention
 from quantkit.serve.capacity import capacity_line, kv_bytes_per_token, num_kv_blocks
 from quantkit.serve.config import EngineConfig
+from quantkit.serve.cpu_attention import load_decode_kernel
+from quantkit.serve.cpu_linear import can_pack, pack_linears
 from quantkit.serve.scheduler import ScheduledSeq, SchedulerOutput
 from quantkit.serve.sequence import Sequence
 
@@ -60,6 +62,8 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
         self.vocab_size = mc.vocab_size
         self.block_size = engine_cfg.block_size
+        if can_pack(dtype, self.device):
+            log.info("prepacked %d Linear weights for oneDNN (bf16)", pack_linears(model, engine_cfg.max_num_batched_tokens))
         self.bytes_per_token = kv_bytes_per_token(mc, torch.empty((), dtype=dtype).element_size())
         self.num_blocks = self._plan_blocks()
         if self.num_blocks * self.block_size < max_model_len:
@@ -79,10 +83,14 @@ class ModelRunner:
         return self.num_blocks * self.block_size
 
     def _backend(self, kv_caches):
+        """cfg.attention_backend: auto (Triton on CUDA fp16/bf16, else torch + the C decode kernel), torch, triton."""
         scale = 1.0 / math.sqrt(self.head_dim)
-        if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
+        choice = self.cfg.attention_backend
+        if choice == "triton" or (choice == "auto" and self.device.type == "cuda"
+                                  and self.dtype in (torch.float16, torch.bfloat16)):
             return TritonPagedAttention(kv_caches, scale)
-        return TorchPagedAttention(kv_caches, scale)
+        kernel = load_decode_kernel() if choice == "auto" and self.device.type == "cpu" else None
+        return TorchPagedAttention(kv_caches, scale, kernel)
 
     # ---- capacity
     def _plan_blocks(self) -> int:
