@@ -275,7 +275,7 @@ def test_async_engine_streams_aborts_and_frees(tiny, tokenizer):
 
 # ---------------------------------------------------------------- the bundled model against transformers
 
-def chat_prompts(shared_data, tokenizer, count=16, max_prompt_tokens=128):
+def chat_prompts(shared_data, tokenizer, count=16, max_prompt_tokens=100):
     """Real user prompts (8 ShareGPT, 8 AlpacaEval) under the model's chat template."""
     picked = []
     for name, path in (("sharegpt", "chat-sharegpt/sharegpt_v3_filtered_1000.jsonl"),
@@ -310,7 +310,7 @@ def bundled_reference(bundled, shared_data):
     return prompts, refs
 
 
-MAX_NEW = 24
+MAX_NEW = 20
 
 
 def assert_same_or_tie(ours, ref):
