@@ -197,6 +197,7 @@ def make_plan(
         "memory_fraction": memory_fraction,
         "activation_bytes": act,
         "kv_budget_bytes": kv_budget,
+        "kv_budget_fixed": kv_cache_bytes is not None,
         "block_size": block_size,
         "kv_blocks": blocks,
         "kv_tokens": tokens,
@@ -244,6 +245,7 @@ def format_plan(plan: dict[str, Any], model_name: str) -> str:
         f"weights {quant}: {gb(plan['weights_bytes'])} as stored "
         f"(every parameter at bits/8 would be {gb(plan['weights_naive_bytes'])})",
         f"KV cache per token: {plan['kv_bytes_per_token']} bytes ({plan['kv_bytes_per_token'] / 1e6:.3f} MB)",
+        f"KV pool fixed at {gb(plan['kv_budget_bytes'])} (--kv-cache-gb)" if plan["kv_budget_fixed"] else
         f"memory: {gb(plan['usable_bytes'])} usable at fraction {plan['memory_fraction']:g} - weights "
         f"- {gb(plan['activation_bytes'])} activations = {gb(plan['kv_budget_bytes'])} for KV",
         f"KV capacity: {plan['kv_blocks']} blocks of {plan['block_size']} = {plan['kv_tokens']} tokens",
