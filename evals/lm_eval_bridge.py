@@ -115,26 +115,35 @@ def task_manager(include_defaults: bool = True):
     return TaskManager(include_path=str(TASKS_DIR), include_defaults=include_defaults)
 
 
-def user_task(path: str | Path) -> dict:
-    """A user's multiple-choice data file as an lm-eval task config (same prompt as the native evaluation)."""
-    from quantkit.evals.tasks.utils import choice_dataset
+def user_task(path: str | Path) -> list[dict]:
+    """A user's data file as lm-eval task configs, one per kind of row it holds, with the native prompts:
+    multiple choice (acc, acc_norm), prompt + answer (greedy generate_until, exact_match), text (rolling perplexity)."""
+    from quantkit.data import read_rows
+    from quantkit.evals.tasks.utils import rows_dataset
 
-    name = "qk_user_" + "".join(ch if ch.isalnum() else "_" for ch in Path(path).stem)
-    return {
-        "task": name,
-        "custom_dataset": functools.partial(_ignore_metadata, choice_dataset, Path(path)),
-        "output_type": "multiple_choice",
-        "test_split": "test",
-        "doc_to_text": "{{query}}",
-        "doc_to_target": "answer",
-        "doc_to_choice": "choices",
-        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-                        {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
+    path = Path(path)
+    stem = "qk_user_" + "".join(ch if ch.isalnum() else "_" for ch in path.stem)
+    kinds = {r.kind for r in read_rows(path)}
+    mean = {"aggregation": "mean", "higher_is_better": True}
+    by_kind = {
+        "choice": {"output_type": "multiple_choice", "doc_to_text": "{{query}}", "doc_to_target": "answer",
+                   "doc_to_choice": "choices",
+                   "metric_list": [{"metric": "acc", **mean}, {"metric": "acc_norm", **mean}]},
+        "answer": {"output_type": "generate_until", "doc_to_text": "{{prompt}}", "doc_to_target": "{{answer}}",
+                   "target_delimiter": "",
+                   "generation_kwargs": {"until": ["\n"], "max_gen_toks": 32, "do_sample": False},
+                   "metric_list": [{"metric": "exact_match", **mean, "ignore_case": False,
+                                    "ignore_punctuation": False}]},
+        "text": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
+                 "metric_list": [{"metric": "word_perplexity"}, {"metric": "byte_perplexity"},
+                                 {"metric": "bits_per_byte"}]},
     }
+    return [{"task": f"{stem}_{kind}", "custom_dataset": functools.partial(_ignore_metadata, rows_dataset, path, kind),
+             "test_split": "test", **config} for kind, config in by_kind.items() if kind in kinds]
 
 
-def _ignore_metadata(loader, path, **_metadata):
-    return loader(path)
+def _ignore_metadata(loader, path, kind, **_metadata):
+    return loader(path, kind)
 
 
 @dataclass

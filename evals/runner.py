@@ -54,7 +54,9 @@ def resolve_baseline(spec: EvalSpec, cand_meta: Optional[dict]) -> str:
     return base
 
 
-def run(spec: EvalSpec, console=None) -> Report:
+def run(spec: EvalSpec, console=None, baseline_cache: Optional[dict] = None) -> Report:
+    """baseline_cache: a dict kept across runs that share a baseline (bench/eval.py): the baseline's multiple-choice
+    and generation scores are computed once per (baseline, task, rows). Text metrics always run both models together."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from quantkit.models.loader import load_model
@@ -75,7 +77,7 @@ def run(spec: EvalSpec, console=None) -> Report:
             tid = progress.add_task(description, total=total)
             yield lambda k: progress.advance(tid, k)
 
-        ev = _Evaluator(spec, base, cand, bar)
+        ev = _Evaluator(spec, base, cand, bar, {} if baseline_cache is None else baseline_cache)
         lm_eval_tasks = []
         for task in tasks:
             if task in TEXT_TASKS:
@@ -99,9 +101,17 @@ def run(spec: EvalSpec, console=None) -> Report:
 
 
 class _Evaluator:
-    def __init__(self, spec: EvalSpec, base, cand, bar):
-        self.spec, self.base, self.cand, self.bar = spec, base, cand, bar
+    def __init__(self, spec: EvalSpec, base, cand, bar, cache: dict):
+        self.spec, self.base, self.cand, self.bar, self.cache = spec, base, cand, bar, cache
         self.tok = cand.tokenizer
+
+    def _both(self, key: tuple, score) -> tuple:
+        """(baseline, candidate) results of score(loaded, who); the baseline's comes from the cache when present, and
+        is the candidate's too when both are one loaded model (the same source given twice)."""
+        key = (self.base.source, *key)
+        if key not in self.cache:
+            self.cache[key] = score(self.base, "baseline")
+        return self.cache[key], self.cache[key] if self.cand is self.base else score(self.cand, "candidate")
 
     # ---- text: perplexity, KL, top-1 agreement from one pass over both models
     def text(self, task: str, text: str) -> list[MetricResult]:
@@ -146,11 +156,12 @@ class _Evaluator:
 
         rows = [r for r in rows if r.kind == "choice"][: self.spec.limit]
         groups = choice_groups(rows, self.tok)
-        scores = []
-        for who, loaded in (("baseline", self.base), ("candidate", self.cand)):
+
+        def score(loaded, who):
             with self.bar(f"{task}: {who} choices", len(rows)) as advance:
-                scores.append(score_choices(loaded.model, groups, rows, advance=advance))
-        b, c = scores
+                return score_choices(loaded.model, groups, rows, advance=advance)
+
+        b, c = self._both(("choices", task, tuple(r.where for r in rows)), score)
         return [self._rate(task, "acc", b.acc, c.acc, f"{len(rows)} rows"),
                 self._rate(task, "acc_norm", b.acc_norm, c.acc_norm, f"{len(rows)} rows")]
 
@@ -167,11 +178,12 @@ class _Evaluator:
         from quantkit.evals.generation import answer_prompts, score_generation
 
         prompts = answer_prompts(rows, self.tok)
-        scores = []
-        for who, loaded in (("baseline", self.base), ("candidate", self.cand)):
+
+        def score(loaded, who):
             with self.bar(f"{task}: {who} generation", len(rows)) as advance:
-                scores.append(score_generation(loaded, rows, prompts, self.spec.max_new_tokens, advance=advance))
-        b, c = scores
+                return score_generation(loaded, rows, prompts, self.spec.max_new_tokens, advance=advance)
+
+        b, c = self._both(("generation", task, tuple(r.where for r in rows), self.spec.max_new_tokens), score)
         note = f"{len(rows)} rows, greedy, {self.spec.max_new_tokens} new tokens"
         return [self._rate(task, "exact_match", b.exact_match, c.exact_match, note),
                 self._rate(task, "contains", b.contains, c.contains, note)]
@@ -211,7 +223,7 @@ class _Evaluator:
     def lm_eval(self, tasks: list[str]) -> list[MetricResult]:
         from quantkit.evals.lm_eval_bridge import QuantkitLM, run_tasks, user_task
 
-        specs = [user_task(t) if Path(t).exists() else t for t in tasks]
+        specs = [spec for t in tasks for spec in (user_task(t) if Path(t).exists() else [t])]
         with self.bar(f"lm-eval {', '.join(tasks)}: baseline", 1) as advance:
             base = run_tasks(QuantkitLM(loaded=self.base), specs, self.spec.limit)
             advance(1)

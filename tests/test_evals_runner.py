@@ -86,13 +86,17 @@ def test_lm_eval_bridge_equals_the_native_evaluation(folders):
 
     loaded = load_model(str(folders["base"]))
     lm = QuantkitLM(loaded=loaded)
-    got = run_tasks(lm, ["qk_piqa", user_task(folders["data"])], limit=6)
+    got = run_tasks(lm, ["qk_piqa", *user_task(folders["data"])], limit=6)
     rows = read_rows(shared_data_dir() / "piqa" / "piqa_validation.jsonl")[:6]
     native = score_choices(loaded.model, choice_groups(rows, loaded.tokenizer), rows)
     assert got["qk_piqa"].doc_ids == list(range(6))
     assert got["qk_piqa"].values["acc"] == native.acc.tolist()
     assert got["qk_piqa"].values["acc_norm"] == native.acc_norm.tolist()
-    assert len(got["qk_user_mine"].values["acc"]) == 2  # the two multiple-choice rows of the user's file
+    mine = [r for r in read_rows(folders["data"]) if r.kind == "choice"]  # the user's file: same prompts and numbers
+    native_mine = score_choices(loaded.model, choice_groups(mine, loaded.tokenizer), mine)
+    assert got["qk_user_mine_choice"].values["acc_norm"] == native_mine.acc_norm.tolist() and len(mine) == 2
+    assert got["qk_user_mine_answer"].values["exact_match"] in ([0.0], [1.0])  # greedy, scored by lm-eval
+    assert len(got["qk_user_mine_text"].values["word_perplexity"]) == 1
 
     text = "Rolling windows cover every token of a document exactly once. " * 4
     (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])

@@ -14,24 +14,33 @@ from quantkit.evals.multiple_choice import prompt_of
 ARTICLE_TITLE = re.compile(r"^ = [^=].* = $")
 
 
-def choice_dataset(path) -> datasets.DatasetDict:
-    """Multiple-choice rows -> {"query": the prompt lm-eval scores, "choices", "answer", "id"}."""
-    rows = read_rows(path)
-    docs = [{"query": prompt_of(r), "choices": list(r.choices), "answer": r.answer, "id": r.id or r.where}
-            for r in rows if r.kind == "choice"]
+def rows_dataset(path, kind: str = "choice") -> datasets.DatasetDict:
+    """One kind of row of a data file as lm-eval documents:
+    choice -> {"query": the prompt lm-eval scores, "choices", "answer", "id"}; answer -> {"prompt", "answer", "id"};
+    text -> {"text", "id"}."""
+    docs = []
+    for r in read_rows(path):
+        if r.kind != kind:
+            continue
+        if kind == "choice":
+            docs.append({"query": prompt_of(r), "choices": list(r.choices), "answer": r.answer, "id": r.id or r.where})
+        elif kind == "answer":
+            docs.append({"prompt": r.prompt, "answer": r.answer, "id": r.id or r.where})
+        else:
+            docs.append({"text": r.text, "id": r.id or r.where})
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
 
 
 def arc_easy(**_metadata) -> datasets.DatasetDict:
-    return choice_dataset(shared_data_dir() / "arc-easy" / "arc_easy_test.jsonl")
+    return rows_dataset(shared_data_dir() / "arc-easy" / "arc_easy_test.jsonl")
 
 
 def piqa(**_metadata) -> datasets.DatasetDict:
-    return choice_dataset(shared_data_dir() / "piqa" / "piqa_validation.jsonl")
+    return rows_dataset(shared_data_dir() / "piqa" / "piqa_validation.jsonl")
 
 
 def hellaswag(**_metadata) -> datasets.DatasetDict:
-    return choice_dataset(shared_data_dir() / "hellaswag" / "hellaswag_val_3000.jsonl")
+    return rows_dataset(shared_data_dir() / "hellaswag" / "hellaswag_val_3000.jsonl")
 
 
 def wikitext(**_metadata) -> datasets.DatasetDict:
