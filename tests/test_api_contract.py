@@ -322,6 +322,17 @@ def _metric(text: str, sample: str) -> float:
 # ---- process lifecycle ---------------------------------------------------------------------------------------
 
 
+def test_stopped_engine_makes_health_503(bundled):
+    with serving_app(bundled, MODEL_NAME, max_model_len=64, kv_cache_memory=4 << 20) as stopped:
+        stopped.state.serving.engine.shutdown(abort_inflight=True)
+        with live_server(stopped) as base, httpx.Client(base_url=base, timeout=30) as c:
+            assert_error(c.get("/health"), 503, "ServiceUnavailableError")
+            assert_error(c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}), 503,
+                         "ServiceUnavailableError")
+            assert c.get("/v1/models").status_code == 200
+
+
+
 def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
     port = free_port()
     script = Path(sys.executable).parent / "quantkit"
@@ -343,7 +354,7 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
         events: list[str] = []
 
         def stream() -> None:
-            body = {"prompt": "Tell me a story.", "max_tokens": 48, "ignore_eos": True, "stream": True}
+            body = {"prompt": "Tell me a story.", "max_tokens": 24, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
                 events.extend(line for line in response.iter_lines() if line.startswith("data: "))
 
