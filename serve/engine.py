@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import torch
 
@@ -67,7 +67,8 @@ class LLMEngine:
         self.generation_tokens = 0
         self.computed_tokens = 0  # tokens run through the model (prefill chunks, recompute, decodes)
         self.request_success: Counter[str] = Counter()
-        self.kv_slot_samples: list[float] = []
+        self.kv_slot_samples: deque[float] = deque(maxlen=1024)  # the most recent samples
+        self.kv_slot_total = [0.0, 0, 1.0]  # sum, count, min over every sample of the engine's life
         self._last_log = (time.time(), 0, 0)
 
     # ---- requests
@@ -131,7 +132,10 @@ class LLMEngine:
         touched = self._append_samples(batch, sampled, time.time())
         self.num_steps += 1
         if self.num_steps % KV_SAMPLE_EVERY == 0 and self.scheduler.running:
-            self.kv_slot_samples.append(self.kv_slot_utilization())
+            sample = self.kv_slot_utilization()
+            self.kv_slot_samples.append(sample)
+            total = self.kv_slot_total
+            total[0], total[1], total[2] = total[0] + sample, total[1] + 1, min(total[2], sample)
         self._maybe_log()
         return [r.output() for r in touched]
 
@@ -240,7 +244,7 @@ class LLMEngine:
         running = {s.request.request_id for s in self.scheduler.running}
         waiting = {s.request.request_id for s in self.scheduler.waiting} - running
         bm = self.block_manager
-        samples = self.kv_slot_samples
+        slot_sum, slot_count, slot_min = self.kv_slot_total
         return {
             "num_requests_running": len(running),
             "num_requests_waiting": len(waiting),
@@ -256,9 +260,9 @@ class LLMEngine:
             "computed_tokens": self.computed_tokens,
             "num_steps": self.num_steps,
             "request_success": dict(self.request_success),
-            "kv_slot_utilization_mean": sum(samples) / len(samples) if samples else None,
-            "kv_slot_utilization_min": min(samples) if samples else None,
-            "kv_slot_utilization_samples": len(samples),
+            "kv_slot_utilization_mean": slot_sum / slot_count if slot_count else None,
+            "kv_slot_utilization_min": slot_min if slot_count else None,
+            "kv_slot_utilization_samples": slot_count,
             "spec_decode_num_drafts": 0,
             "spec_decode_num_draft_tokens": 0,
             "spec_decode_num_accepted_tokens": 0,

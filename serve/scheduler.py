@@ -64,7 +64,12 @@ class Scheduler:
         self.bm.free(seq)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        return min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
+        """The tokens seq still needs (its drafts included), within budget; drafts that do not fit are dropped
+        rather than split, so a sequence with drafts always reaches its last position and samples."""
+        pending = seq.num_tokens - seq.num_computed_tokens
+        if seq.spec_token_ids and pending + len(seq.spec_token_ids) > budget:
+            del seq.spec_token_ids[max(0, budget - pending):]
+        return min(pending + len(seq.spec_token_ids), budget)
 
     def _seq_slots(self, seq: Sequence) -> int:
         """Running slots a waiting sequence takes: a request's first sequence forks into n."""
