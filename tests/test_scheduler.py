@@ -156,3 +156,16 @@ def test_random_load_never_corrupts_and_always_finishes():
         assert sched.bm.num_free_blocks + sum(1 for r in refs if r) == sched.bm.num_blocks
     assert sched.num_preemptions > 0 and sched.bm.prefix_cache_hits > 0
     assert sched.bm.num_used_blocks == 0
+
+
+def test_drafts_are_scheduled_whole_or_trimmed_never_split():
+    sched = make_scheduler(64, budget=100)
+    a, b = make_seq(range(5), "a"), make_seq(range(5), "b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    a.spec_token_ids, b.spec_token_ids = [11, 12, 13], [21, 22, 23]
+    sched.max_num_batched_tokens = 6
+    out = sched.schedule()
+    assert plan(out) == [("a", 4), ("b", 2)]  # a: last token + 3 drafts; b: last token + the 1 draft that fits
+    assert b.spec_token_ids == [21]
