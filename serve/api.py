@@ -90,28 +90,25 @@ def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api
         if not engine.is_running:
             raise APIError(503, "The engine is not running: see the server log for the error that stopped it.")
 
+    async def generate(raw_request: Request, request_cls, prepare, stream, respond):
+        """The shared shape of both generation routes: validate, prepare, then SSE or one JSON body."""
+        require_engine()
+        request = parse_request(request_cls, await _json_body(raw_request))
+        request_id, generation = prepare(serving, request)
+        if request.stream:
+            events = stream(serving, request, request_id, generation)
+            return StreamingResponse(stream_events(events), media_type="text/event-stream", headers=SSE_HEADERS)
+        response = await unless_disconnected(raw_request, respond(serving, request, request_id, generation))
+        return Response(response.model_dump_json(), media_type="application/json")
+
     @app.post("/v1/completions")
     async def completions(raw_request: Request):
-        require_engine()
-        request = parse_request(CompletionRequest, await _json_body(raw_request))
-        request_id, generation = prepare_completion(serving, request)
-        if request.stream:
-            events = completion_stream(serving, request, request_id, generation)
-            return StreamingResponse(stream_events(events), media_type="text/event-stream", headers=SSE_HEADERS)
-        response = await unless_disconnected(raw_request, completion_response(serving, request, request_id,
-                                                                              generation))
-        return Response(response.model_dump_json(), media_type="application/json")
+        return await generate(raw_request, CompletionRequest, prepare_completion, completion_stream,
+                              completion_response)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw_request: Request):
-        require_engine()
-        request = parse_request(ChatCompletionRequest, await _json_body(raw_request))
-        request_id, generation = prepare_chat(serving, request)
-        if request.stream:
-            events = chat_stream(serving, request, request_id, generation)
-            return StreamingResponse(stream_events(events), media_type="text/event-stream", headers=SSE_HEADERS)
-        response = await unless_disconnected(raw_request, chat_response(serving, request, request_id, generation))
-        return Response(response.model_dump_json(), media_type="application/json")
+        return await generate(raw_request, ChatCompletionRequest, prepare_chat, chat_stream, chat_response)
 
     @app.get("/v1/models")
     async def models():

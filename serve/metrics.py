@@ -53,28 +53,21 @@ class _Family:
 
 
 class Counter(_Family):
-    """Monotone count; `set_total` mirrors a cumulative count kept elsewhere (the engine's)."""
+    """A cumulative count mirrored from where it is kept (the engine): `set_total`; sampled as `<name>_total`."""
 
     kind = "counter"
+    suffix = "_total"
 
     def __init__(self, name, help_text, base_labels):
         super().__init__(name, help_text, base_labels)
         self.values: dict[tuple, float] = {}
 
-    def inc(self, amount: float = 1.0, **labels) -> None:
-        key = tuple(sorted(labels.items()))
-        with self.lock:
-            self.values[key] = self.values.get(key, 0.0) + amount
-
     def set_total(self, total: float, **labels) -> None:
         with self.lock:
             self.values[tuple(sorted(labels.items()))] = float(total)
 
-    def value(self, **labels) -> float:
-        return self.values.get(tuple(sorted(labels.items())), 0.0)
-
     def render(self) -> list[str]:
-        sample = self.name + "_total"
+        sample = self.name + self.suffix
         lines = self.header(sample)
         with self.lock:
             items = list(self.values.items()) or [((), 0.0)]
@@ -85,17 +78,10 @@ class Counter(_Family):
 
 class Gauge(Counter):
     kind = "gauge"
+    suffix = ""
 
     def set(self, value: float, **labels) -> None:
         self.set_total(value, **labels)
-
-    def render(self) -> list[str]:
-        lines = self.header(self.name)
-        with self.lock:
-            items = list(self.values.items()) or [((), 0.0)]
-        for key, value in items:
-            lines.append(f"{self.name}{_labels({**self.base_labels, **dict(key)})} {_num(value)}")
-        return lines
 
 
 class Histogram(_Family):
