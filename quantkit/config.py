@@ -71,8 +71,9 @@ DATA_MODES = ("concat", "rows")
 CALIB_KEYS: dict[str, type] = {
     "model": str, "method": str, "bits": int, "group_size": int, "sym": bool, "act_order": bool,
     "static_groups": bool, "format": str, "data": str, "num_samples": int, "seq_len": int, "data_mode": str,
-    "seed": int, "damp": float, "block_size": int, "batch_size": int,
+    "seed": int, "damp": float, "block_size": int, "batch_size": int, "compute_dtype": str,
 }
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def default_layout(method: str, scheme: QuantScheme) -> str:
@@ -97,6 +98,7 @@ class CalibConfig:
     damp: float = 0.01  # GPTQ dampening, fraction of mean(diag H)
     block_size: int = 128  # GPTQ lazy-batch columns
     batch_size: int = 8  # calibration samples per block forward
+    compute_dtype: str = "float32"  # matmuls of the calibration forwards ("bfloat16": autocast; statistics stay fp32)
     model: Optional[str] = None  # None = the bundled default
 
     def __post_init__(self):
@@ -105,6 +107,8 @@ class CalibConfig:
             raise QuantkitError(f"method {self.method!r} is unknown: use one of {', '.join(METHODS)}")
         if self.layout not in LAYOUTS:
             raise QuantkitError(f"format {self.layout!r} is unknown: use one of {', '.join(LAYOUTS)}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise QuantkitError(f"compute_dtype {self.compute_dtype!r} is unknown: use one of {', '.join(COMPUTE_DTYPES)}")
         if self.data_mode not in DATA_MODES:
             raise QuantkitError(f"data_mode {self.data_mode!r} is unknown: use one of {', '.join(DATA_MODES)}")
         if s.act_order and self.method != "gptq":
@@ -151,7 +155,7 @@ class CalibConfig:
         try:
             scheme = QuantScheme(**scheme_args)
             args = {k: flat[k] for k in ("data", "num_samples", "seq_len", "data_mode", "seed", "block_size",
-                                        "batch_size", "model") if flat.get(k) is not None}
+                                        "batch_size", "model", "compute_dtype") if flat.get(k) is not None}
             if flat.get("damp") is not None:
                 args["damp"] = float(flat["damp"])
             layout = flat.get("format") or default_layout(method, scheme)
@@ -165,12 +169,13 @@ class CalibConfig:
         return {"model": self.model, "method": self.method, "bits": s.bits, "group_size": s.group_size, "sym": s.sym,
                 "act_order": s.act_order, "static_groups": s.static_groups, "format": self.layout, "data": self.data,
                 "num_samples": self.num_samples, "seq_len": self.seq_len, "data_mode": self.data_mode,
-                "seed": self.seed, "damp": self.damp, "block_size": self.block_size, "batch_size": self.batch_size}
+                "seed": self.seed, "damp": self.damp, "block_size": self.block_size, "batch_size": self.batch_size,
+                "compute_dtype": self.compute_dtype}
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """Everything that changes the calibrated weights (the work folder is reused only when these match)."""
         return {
             "method": self.method, "scheme": self.scheme.__dict__, "data_mode": self.data_mode,
             "num_samples": self.num_samples, "seq_len": self.seq_len, "seed": self.seed, "damp": self.damp,
-            "block_size": self.block_size, "batch_size": self.batch_size,
+            "block_size": self.block_size, "batch_size": self.batch_size, "compute_dtype": self.compute_dtype,
         }

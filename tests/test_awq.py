@@ -103,3 +103,40 @@ def test_clip_search_never_increases_error():
     assert (max_val <= org_max).all() and (max_val >= 0.5 * org_max).all() and (max_val < org_max).any()
     clipped = dequantize(quantize_rtn(clip_weight(w, max_val), scheme))
     assert output_error(w, clipped, h) <= output_error(w, fake_quantize(w, scheme), h)
+
+
+AWQ_REVERSE = [0, 4, 1, 5, 2, 6, 3, 7]  # FORMATS.md: column 8c + j sits in nibble REVERSE[j] of word c
+
+
+def awq_unpack(words: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] AWQ-interleaved words -> codes [R, 8C], written out from the spec (independent of formats/)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    cols = [(w >> (4 * AWQ_REVERSE[j])) & 0xF for j in range(8)]  # each [R, C]: column 8c + j
+    return torch.stack(cols, dim=-1).reshape(words.shape[0], -1)
+
+
+def test_awq_checkpoint_unpacks_to_the_calibrated_codes(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from quantkit.commands.info import info
+    from quantkit.config import CalibConfig
+    from quantkit.data import CalibData
+    from quantkit.formats.checkpoint import save_checkpoint
+    from quantkit.quant.calibrate import calibrate
+
+    torch.manual_seed(0)
+    hf = tiny_hf_config()
+    model = LlamaForCausalLM(ModelConfig.from_hf(hf)).eval()
+    calib = CalibData(torch.randint(0, 128, (8, 32)), None, torch.full((8,), 32), {}, "tiny")
+    cfg = CalibConfig.from_flat({"method": "awq", "group_size": 32})
+    assert cfg.layout == "awq" and not cfg.scheme.sym
+    calibrate(model, hf, calib, cfg, progress=False)
+    save_checkpoint(tmp_path / "awq", model, hf, None, cfg.layout, {"method": "awq"})
+    tensors = load_file(str(tmp_path / "awq" / "model.safetensors"))
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        qt = model.get_submodule(name).qtensor()
+        assert torch.equal(awq_unpack(tensors[f"{name}.qweight"]), qt.codes.T.long())  # qweight [K, N/8]
+        assert torch.equal(awq_unpack(tensors[f"{name}.qzeros"]), qt.zeros.T.long())  # qzeros [G, N/8]
+        assert torch.equal(tensors[f"{name}.scales"], qt.scales.T)  # scales [G, N]
+    info(tmp_path / "awq")
+    assert "layout         awq (quant_method awq)" in capsys.readouterr().out

@@ -36,6 +36,7 @@ def register(app: typer.Typer) -> None:
         data_mode: Optional[str] = typer.Option(None, "--data-mode", help="concat (chunks of a token stream) | rows (one sample per row)"),
         seed: Optional[int] = typer.Option(None, help="sample selection seed (default 0): same seed, same bytes"),
         batch_size: Optional[int] = typer.Option(None, "--batch-size", help="samples per block forward (default 8)"),
+        compute_dtype: Optional[str] = typer.Option(None, "--compute-dtype", help="float32 | bfloat16: matmuls of the calibration forwards (statistics stay fp32)"),
         recipe: Optional[Path] = typer.Option(None, help="recipes/*.yaml; flags override its keys"),
         out: Optional[Path] = typer.Option(None, help="checkpoint folder (default ./<model>-<method>-<scheme>)"),
         work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="finished blocks for resume (default: .<out>.work beside --out)"),
@@ -60,7 +61,7 @@ def register(app: typer.Typer) -> None:
         rec = load_recipe(recipe) if recipe is not None else None
         flags = dict(model=model, method=method, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
                      static_groups=static_groups, damp=damp, format=layout, data=data, num_samples=num_samples,
-                     seq_len=seq_len, data_mode=data_mode, seed=seed, batch_size=batch_size)
+                     seq_len=seq_len, data_mode=data_mode, seed=seed, batch_size=batch_size, compute_dtype=compute_dtype)
         source = flags["model"] or (rec.calib.get("model") if rec else None)
         folder, name = resolve(source)
         hf_config = read_hf_config(folder)

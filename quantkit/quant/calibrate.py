@@ -45,11 +45,12 @@ class InputStats:
 
     def add(self, x: torch.Tensor, mask: torch.Tensor) -> None:
         """x [B, L, K], mask [B, L] bool: the tokens that count."""
+        tokens = x.reshape(-1, x.shape[-1]) if bool(mask.all()) else x[mask]  # [T, K]
         if self.h_sum is not None:
-            accumulate_hessian(self.h_sum, x, mask)
+            accumulate_hessian(self.h_sum, tokens)
         if self.abs_sum is not None:
-            accumulate_magnitude(self.abs_sum, x, mask)
-        self.tokens += int(mask.sum())
+            accumulate_magnitude(self.abs_sum, tokens)
+        self.tokens += tokens.shape[0]
         self.samples += int(mask.any(dim=1).sum())
 
     def hessian(self) -> torch.Tensor:
@@ -98,8 +99,13 @@ def model_fingerprint(model: nn.Module, hf_config: dict) -> str:
             continue
         seen.add(t.data_ptr())
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # buffer: no copy
     return h.hexdigest()
+
+
+def autocast(device: torch.device, compute_dtype: str):
+    """Matmuls in bfloat16 (weights and the residual stream stay float32) when compute_dtype asks for it."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=compute_dtype == "bfloat16")
 
 
 def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
@@ -233,11 +239,13 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
             block_report: list[dict] = []
             for stage in stages:
                 t0 = time.perf_counter()
-                stats = (capture_stage(block, stage, x, mask, positions, method.needs, cfg.batch_size, prefix, device)
-                         if needs_data else {})
+                with autocast(device, cfg.compute_dtype):
+                    stats = (capture_stage(block, stage, x, mask, positions, method.needs, cfg.batch_size, prefix,
+                                           device) if needs_data else {})
                 for name, qt, info in method.quantize_stage(block, stage, stats, prefix):
-                    linear = block.get_submodule(name)
-                    linear.weight.data = dequantize(qt, linear.weight.dtype)
+                    if needs_data:  # later stages and the block's outputs see the quantized weights
+                        linear = block.get_submodule(name)
+                        linear.weight.data = dequantize(qt, linear.weight.dtype)
                     qts[name] = qt.to("cpu")
                     st, t1 = stats.get(name), time.perf_counter()
                     # time_s: since the previous layer; a stage's first layer includes the forward that fed it
@@ -247,7 +255,8 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
                     loss = info.get("loss")
                     bar.update(task, status=f"{name} loss {loss:.4g}" if loss is not None else name)
             if needs_data:
-                x = block_forward(block, x, positions, cfg.batch_size, device)
+                with autocast(device, cfg.compute_dtype):
+                    x = block_forward(block, x, positions, cfg.batch_size, device)
             block.cpu()
             tensors = float_tensors(block, spec.linears)
             for name, qt in qts.items():
