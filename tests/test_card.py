@@ -17,7 +17,8 @@ from quantkit.evals.report import MetricResult, Report, write
 from quantkit.formats.checkpoint import quantization_config
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO / "docs" / "sample-card" / "gptq-w4g64"
+SAMPLE = REPO / "docs" / "sample-card" / "rtn-w4g64"
+SAMPLE_REPO = "OWNER/SmolLM2-135M-Instruct-rtn-w4g64"  # the --repo docs/sample-card/README.md's `quantkit card` names
 
 
 def checkpoint_meta(folder: Path, scheme: QuantScheme, layout: str, method: str = "gptq") -> Path:
@@ -137,8 +138,8 @@ def test_card_command_writes_readme(tmp_path):
 
 
 def test_sample_card_of_a_real_run_renders_its_eval_report():
-    """docs/sample-card: a bundled-model GPTQ W4 g64 run and its `quantkit eval` report (commands in its README)."""
-    card = render_card(SAMPLE)
+    """docs/sample-card: a bundled-model RTN W4 g64 run and its `quantkit eval` report (commands in its README)."""
+    card = render_card(SAMPLE, SAMPLE_REPO)
     assert card == (SAMPLE / "README.md").read_text(), "docs/sample-card is stale: regenerate it with `quantkit card`"
     report = json.loads((SAMPLE / "eval" / "report.json").read_text())
     rows = table(card, "| task | metric | baseline | quantized | delta [95% CI] | unit | n | notes |")
@@ -152,7 +153,9 @@ def test_sample_card_of_a_real_run_renders_its_eval_report():
         assert (value, low, high) == pytest.approx((m["delta"]["value"], m["delta"]["low"], m["delta"]["high"]), rel=1e-3, abs=1e-4)
         assert int(cells[6]) == m["n"]
     meta = json.loads((SAMPLE / "quantkit.json").read_text())
-    assert f"`{meta['data']['fingerprint']}`" in card
+    assert f"| method | {meta['method'].upper()} |" in card and f"| group size | {meta['scheme']['group_size']} |" in card
+    assert f"| calibration time | {meta['time_s']} s (quantkit {meta['quantkit_version']}) |" in card
+    assert "![accuracy deltas with 95% intervals](eval/deltas.png)" in card and (SAMPLE / "eval" / "deltas.png").is_file()
 
 
 def test_gguf_string_reads_the_header_gguf_writes(tmp_path):
