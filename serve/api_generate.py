@@ -9,7 +9,6 @@ early (client disconnect, error, cancellation) aborts every unfinished engine re
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import time
@@ -232,9 +231,9 @@ class Generation:
         finally:
             for rid, tracker in zip(self.engine_ids, self.trackers):
                 if not tracker.done:
-                    result = engine.abort(rid)
-                    if inspect.isawaitable(result):
-                        await result
+                    engine.abort(rid)
+        if not all(tracker.done for tracker in self.trackers):  # streams ended unfinished: the engine aborted them
+            raise APIError(503, "The request was aborted before it finished: the server is shutting down.")
 
 
 async def unless_disconnected(raw_request, work):

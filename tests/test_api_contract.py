@@ -322,6 +322,22 @@ def _metric(text: str, sample: str) -> float:
 # ---- process lifecycle ---------------------------------------------------------------------------------------
 
 
+def test_engine_shutdown_mid_stream_sends_an_error_event(bundled):
+    with serving_app(bundled, MODEL_NAME, max_model_len=256, kv_cache_memory=16 << 20) as application, \
+            live_server(application) as base, httpx.Client(base_url=base, timeout=60) as c:
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            first = json.loads(next(lines)[6:])
+            application.state.serving.engine.shutdown(abort_inflight=True)
+            rest = list(lines)
+    assert first["choices"][0]["finish_reason"] is None
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+    assert all("error" not in json.loads(line[6:]) for line in rest[:-2])
+
+
 def test_stopped_engine_makes_health_503(bundled):
     with serving_app(bundled, MODEL_NAME, max_model_len=64, kv_cache_memory=4 << 20) as stopped:
         stopped.state.serving.engine.shutdown(abort_inflight=True)
@@ -333,13 +349,21 @@ def test_stopped_engine_makes_health_503(bundled):
 
 
 
-def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
+TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+
+
+def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path, bundled):
+    """A real `quantkit serve` process: flags wired through (name, chat template, key), then SIGTERM mid-stream."""
     port = free_port()
     script = Path(sys.executable).parent / "quantkit"
+    (tmp_path / "template.jinja").write_text(TEMPLATE)
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([str(script), "serve", "--port", str(port), "--max-model-len", "256",
-                             "--kv-cache-memory", str(16 << 20)], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "QUANTKIT_API_KEY": ""})
+                             "--kv-cache-memory", str(16 << 20), "--served-model-name", "tiny-chat",
+                             "--chat-template", str(tmp_path / "template.jinja")],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "QUANTKIT_API_KEY": API_KEY})
+    auth = {"Authorization": f"Bearer {API_KEY}"}
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -351,11 +375,17 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert [m["id"] for m in httpx.get(base + "/v1/models", headers=auth).json()["data"]] == ["tiny-chat"]
+        rendered = httpx.post(base + "/tokenize", json={"messages": CHAT}).json()["tokens"]
+        expected = f"<<user>>{CHAT[0]['content']}\n<<assistant>>"
+        assert rendered == bundled.tokenizer(expected, add_special_tokens=False).input_ids
         events: list[str] = []
 
         def stream() -> None:
-            body = {"prompt": "Tell me a story.", "max_tokens": 24, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            body = {"model": "tiny-chat", "prompt": "Tell me a story.", "max_tokens": 24, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, headers=auth, timeout=60) as response:
                 events.extend(line for line in response.iter_lines() if line.startswith("data: "))
 
         reader = threading.Thread(target=stream)
