@@ -53,6 +53,9 @@ class InputStats:
         self.tokens += tokens.shape[0]
         self.samples += int(mask.any(dim=1).sum())
 
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(t).all()) for t in (self.h_sum, self.abs_sum) if t is not None)
+
     def hessian(self) -> torch.Tensor:
         return self.h_sum / max(self.tokens, 1)
 
@@ -121,13 +124,13 @@ def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: tor
             if id(inp) in seen:
                 stats.setdefault(name, seen[id(inp)][1])
             else:
-                if not torch.isfinite(inp).all():
+                st = stats.setdefault(name, InputStats(inp.shape[-1], needs, inp.device))
+                st.add(inp, batch["mask"])
+                if not st.finite():  # a NaN/inf input poisons the sums: checking them is cheaper than x
                     raise QuantkitError(
                         f"calibration inputs of {prefix}{name} contain NaN/inf (samples {batch['range']}): the model "
                         f"overflows on this data in {inp.dtype}; load it in float32 or check the data"
                     )
-                st = stats.setdefault(name, InputStats(inp.shape[-1], needs, inp.device))
-                st.add(inp, batch["mask"])
                 seen[id(inp)] = (inp, st)
             batch["called"].add(name)
             if len(batch["called"]) == len(names):
