@@ -126,7 +126,7 @@ class HubStandin:
             raise HubError(404, f"Invalid rev id: {rev}", "RevisionNotFound")
         return repo.branches[rev]
 
-    # --- endpoints: (method, path parts, user, body) -> (status, json) -----------------------------------------
+    # --- endpoints: route() finds the handler; handler(self, user, body, *path args) -> JSON answer ----------
 
     def route(self, method: str, path: str, headers, body: bytes) -> tuple[str, int, object]:
         parts = [unquote(p) for p in urlsplit(path).path.strip("/").split("/")]
