@@ -7,6 +7,7 @@ parse what we send. Engine state (running requests, KV blocks in use) is read fr
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -194,6 +195,29 @@ def test_completion_shape_and_prompt_forms(http, bundled):
     assert both["usage"]["prompt_tokens"] == 2 * len(ids) and both["usage"]["completion_tokens"] == 4 * 5
 
 
+def test_default_max_tokens_and_unknown_fields(http, bundled, caplog):
+    """Completions default to 16 tokens; chat defaults to what fits in max_model_len; unknown fields are logged."""
+    with caplog.at_level(logging.INFO, logger="quantkit.serve.api"):
+        body = {"model": MODEL_NAME, "prompt": "Once", "ignore_eos": True, "best_of_everything": 3}
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 16
+    assert "best_of_everything" in caplog.text
+    user = "word " * 600
+    text = bundled.tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                                 add_generation_prompt=True)
+    room = 3
+    n_words = 600 - (len(bundled.tokenizer(text, add_special_tokens=False).input_ids) - (MAX_MODEL_LEN - room))
+    fitted = [{"role": "user", "content": "word " * n_words}]
+    chat = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": fitted, "ignore_eos": True})
+    assert chat.status_code == 200, chat.text
+    usage = chat.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN
+    assert chat.json()["choices"][0]["finish_reason"] == "length"
+    too_long = http.post("/v1/chat/completions", json={"model": MODEL_NAME,
+                                                        "messages": [{"role": "user", "content": user}]})
+    assert_error(too_long, 400, "BadRequestError")
+
+
 def test_echo_logprobs_score_the_prompt(http, bundled):
     """What lm-eval's local-completions sends: token ids, echo, logprobs=1, max_tokens=1."""
     import torch
@@ -295,6 +319,20 @@ def test_disconnect_mid_stream_frees_blocks(app, url):
     assert stats["request_success"].get("abort", 0) >= 1
 
 
+def test_disconnect_during_json_request_aborts_it(app, url):
+    engine = engine_of(app)
+    aborted = engine.stats()["request_success"].get("abort", 0)
+    body = {"model": MODEL_NAME, "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and engine.stats()["request_success"].get("abort", 0) == aborted:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats["request_success"].get("abort", 0) == aborted + 1
+    assert stats["num_requests_running"] == 0 and stats["kv_used_blocks"] == 0
+
+
 def test_metrics_exposition(http):
     before = _metric(http.get("/metrics").text, 'quantkit:request_success_total{model_name="smollm2",'
                                                 'finished_reason="length"}')
@@ -380,6 +418,9 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path, bundled):
         rendered = httpx.post(base + "/tokenize", json={"messages": CHAT}).json()["tokens"]
         expected = f"<<user>>{CHAT[0]['content']}\n<<assistant>>"
         assert rendered == bundled.tokenizer(expected, add_special_tokens=False).input_ids
+        bare = httpx.post(base + "/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()
+        without_prompt = expected[:-len("<<assistant>>")]
+        assert bare["tokens"] == bundled.tokenizer(without_prompt, add_special_tokens=False).input_ids
         events: list[str] = []
 
         def stream() -> None:
