@@ -73,7 +73,7 @@ CALIB_KEYS: dict[str, type] = {
     "static_groups": bool, "format": str, "data": str, "num_samples": int, "seq_len": int, "data_mode": str,
     "seed": int, "damp": float, "block_size": int, "batch_size": int, "compute_dtype": str,
 }
-COMPUTE_DTYPES = ("float32", "bfloat16")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def default_layout(method: str, scheme: QuantScheme) -> str:
@@ -98,7 +98,9 @@ class CalibConfig:
     damp: float = 0.01  # GPTQ dampening, fraction of mean(diag H)
     block_size: int = 128  # GPTQ lazy-batch columns
     batch_size: int = 8  # calibration samples per block forward
-    compute_dtype: str = "float32"  # matmuls of the calibration forwards ("bfloat16": autocast; statistics stay fp32)
+    # matmuls of the calibration forwards: "bfloat16" autocasts them (weights, residual stream and statistics stay
+    # fp32); "auto" = bfloat16 where the hardware has it (CUDA, CPUs with AVX512-BF16/AMX), else float32
+    compute_dtype: str = "auto"
     model: Optional[str] = None  # None = the bundled default
 
     def __post_init__(self):

@@ -36,7 +36,7 @@ def register(app: typer.Typer) -> None:
         data_mode: Optional[str] = typer.Option(None, "--data-mode", help="concat (chunks of a token stream) | rows (one sample per row)"),
         seed: Optional[int] = typer.Option(None, help="sample selection seed (default 0): same seed, same bytes"),
         batch_size: Optional[int] = typer.Option(None, "--batch-size", help="samples per block forward (default 8)"),
-        compute_dtype: Optional[str] = typer.Option(None, "--compute-dtype", help="float32 | bfloat16: matmuls of the calibration forwards (statistics stay fp32)"),
+        compute_dtype: Optional[str] = typer.Option(None, "--compute-dtype", help="auto | float32 | bfloat16: matmuls of the calibration forwards; statistics stay fp32 (default auto: bfloat16 where the hardware has it)"),
         recipe: Optional[Path] = typer.Option(None, help="recipes/*.yaml; flags override its keys"),
         out: Optional[Path] = typer.Option(None, help="checkpoint folder (default ./<model>-<method>-<scheme>)"),
         work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="finished blocks for resume (default: .<out>.work beside --out)"),

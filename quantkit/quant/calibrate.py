@@ -106,6 +106,13 @@ def model_fingerprint(model: nn.Module, hf_config: dict) -> str:
     return h.hexdigest()
 
 
+def resolve_compute_dtype(compute_dtype: str, device: torch.device) -> str:
+    if compute_dtype != "auto":
+        return compute_dtype
+    fast = device.type == "cuda" or (device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return "bfloat16" if fast else "float32"
+
+
 def autocast(device: torch.device, compute_dtype: str):
     """Matmuls in bfloat16 (weights and the residual stream stay float32) when compute_dtype asks for it."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=compute_dtype == "bfloat16")
@@ -199,6 +206,7 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
     spec = arch_spec(hf_config.get("model_type", "llama"))
     method = make_method(cfg, hf_config.get("model_type", "llama"))
     needs_data = bool(method.needs)
+    compute_dtype = resolve_compute_dtype(cfg.compute_dtype, device)
     if needs_data and calib is None:
         raise QuantkitError(f"--method {cfg.method} needs calibration data: pass --data FILE")
     layers = model.model.layers
@@ -209,7 +217,8 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
     if work_dir is not None:
         fingerprint = {"model": model_fingerprint(model, hf_config),
                        "data": calib.fingerprint if needs_data else "none",
-                       "config": json.dumps(cfg.fingerprint_fields(), sort_keys=True), "version": quantkit.__version__}
+                       "config": json.dumps({**cfg.fingerprint_fields(), "compute_dtype": compute_dtype}, sort_keys=True),
+                       "version": quantkit.__version__}
         work = WorkFolder(work_dir, fingerprint, log)
         start = work.open(resume, needs_data)
 
@@ -242,7 +251,7 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
             block_report: list[dict] = []
             for stage in stages:
                 t0 = time.perf_counter()
-                with autocast(device, cfg.compute_dtype):
+                with autocast(device, compute_dtype):
                     stats = (capture_stage(block, stage, x, mask, positions, method.needs, cfg.batch_size, prefix,
                                            device) if needs_data else {})
                 for name, qt, info in method.quantize_stage(block, stage, stats, prefix):
@@ -258,7 +267,7 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
                     loss = info.get("loss")
                     bar.update(task, status=f"{name} loss {loss:.4g}" if loss is not None else name)
             if needs_data:
-                with autocast(device, cfg.compute_dtype):
+                with autocast(device, compute_dtype):
                     x = block_forward(block, x, positions, cfg.batch_size, device)
             block.cpu()
             tensors = float_tensors(block, spec.linears)
