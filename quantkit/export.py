@@ -12,10 +12,10 @@ from __future__ import annotations
 import fnmatch
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 from quantkit.config import LAYOUTS
+from quantkit.atomic import temp_dir_beside
 from quantkit.errors import QuantkitError
 
 # Files a tokenizer's save_pretrained writes (the allow-list copied verbatim into the export).
@@ -76,7 +76,7 @@ def _imported_meta(src: Path, hf_config: dict) -> dict:
 
 
 def _copy_dir_atomic(src: Path, dst: Path) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp = temp_dir_beside(dst)
     try:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
         tmp.replace(dst)

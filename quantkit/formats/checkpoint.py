@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from quantkit.config import LAYOUTS, QuantScheme
+from quantkit.atomic import temp_dir_beside
 from quantkit.errors import QuantkitError
 from quantkit.formats import awq, compressed_tensors, gptq
 from quantkit.quant.qlinear import QLinear
@@ -100,7 +100,7 @@ def save_checkpoint(out_dir, model: nn.Module, hf_config: dict, tokenizer, layou
                                                         meta.get("damp_percent"))
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_dir_beside(out)
     try:
         _write_safetensors(tmp, tensors, max_shard_bytes)
         _write_json(tmp / "config.json", config)
@@ -220,7 +220,7 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     if out.exists():
         if not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file()):
             raise QuantkitError(f"{out} exists and is not a model folder: choose another --out or remove it")
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        old = temp_dir_beside(out, "old")
         os.replace(out, old / out.name)  # the old folder stays whole until the new one is in place
         os.replace(tmp, out)
         shutil.rmtree(old)

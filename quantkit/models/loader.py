@@ -15,7 +15,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -23,6 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from quantkit.atomic import temp_dir_beside
 from quantkit.errors import QuantkitError
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig
 
@@ -82,8 +82,7 @@ def gguf_to_hf_folder(gguf: Path, out: Optional[Path] = None) -> Path:
     state = {k: v.to(torch.float16).contiguous() for k, v in hf_model.state_dict().items()}
     if hf_config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = temp_dir_beside(out)
     try:
         from safetensors.torch import save_file
 
