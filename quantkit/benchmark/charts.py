@@ -25,7 +25,7 @@ def draw_tune_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
     fig, left = plt.subplots(figsize=(7, 4.5))
     left.plot(batch, [s["per_user_tps"] for s in steps], "o-", color="tab:blue", label="per user (median)")
     left.axhline(result["min_user_tps"], color="tab:blue", linestyle=":", label=f"floor {result['min_user_tps']:g}")
-    left.set_xscale("log", base=2)
+    _batch_axis(left, batch)
     left.set_xlabel("concurrent requests (batch)")
     left.set_ylabel("decode tokens/s per user", color="tab:blue")
     right = left.twinx()
@@ -43,9 +43,9 @@ def draw_tune_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
     if result.get("price_per_hour") is not None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         ax.plot(batch, [s["usd_per_million_tokens"] for s in steps], "o-", color="tab:green")
-        ax.set_xscale("log", base=2)
+        _batch_axis(ax, batch)
         ax.set_xlabel("concurrent requests (batch)")
-        ax.set_ylabel(f"$ per million output tokens at ${result['price_per_hour']:g}/hour")
+        ax.set_ylabel(f"USD per million output tokens at {result['price_per_hour']:g} USD/hour")
         if rec is not None:
             ax.axvline(rec, color="gray", linestyle="--", label=f"recommended {rec}")
             ax.legend()
@@ -54,6 +54,13 @@ def draw_tune_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
         written.append(_save(fig, out_dir / "tune_cost.png"))
         plt.close(fig)
     return written
+
+
+def _batch_axis(ax: Any, batch: list[int]) -> None:
+    """Log2 x axis ticked at the swept batch sizes, labelled as plain numbers."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batch, [str(b) for b in batch])
+    ax.minorticks_off()
 
 
 def _save(fig: Any, path: Path) -> Path:

@@ -88,15 +88,13 @@ def format_step(s: dict[str, Any]) -> str:
 
 
 def format_tune(result: dict[str, Any]) -> str:
-    lines = [format_step(s) for s in result["steps"]]
+    """The verdict (the per-step lines are printed as the sweep runs)."""
     rec = result["recommended_max_num_seqs"]
     if rec is None:
-        lines.append(f"no batch size keeps {result['min_user_tps']:g} tok/s per user, not even 1: lower the floor, "
-                     "quantize, or use a faster machine")
-        return "\n".join(lines)
+        return (f"no batch size keeps {result['min_user_tps']:g} tok/s per user, not even 1: lower the floor, "
+                "quantize, or use a faster machine")
     best = next(s for s in result["steps"] if s["concurrency"] == rec)
     cost = (f", ${best['usd_per_million_tokens']:.3f} per million output tokens at ${result['price_per_hour']:g}/hour"
             if "usd_per_million_tokens" in best else "")
-    lines.append(f"recommended: --max-num-seqs {rec} ({best['per_user_tps']:.1f} tok/s per user >= "
-                 f"{result['min_user_tps']:g}, {best['aggregate_tps']:.1f} tok/s total{cost})")
-    return "\n".join(lines)
+    return (f"recommended: --max-num-seqs {rec} ({best['per_user_tps']:.1f} tok/s per user >= "
+            f"{result['min_user_tps']:g}, {best['aggregate_tps']:.1f} tok/s total{cost})")
