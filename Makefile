@@ -25,7 +25,12 @@ demo: setup
 	$(BIN)/quantkit calibrate --recipe recipes/smollm2-135m-gptq-w4g64.yaml --out $(MODEL_OUT)
 	$(BIN)/quantkit info $(MODEL_OUT)
 	$(BIN)/quantkit eval $(MODEL_OUT) --tasks wikitext,arc_easy --limit 200
-	$(BIN)/python bench/demo_serve.py $(MODEL_OUT) --port $(PORT)
+	# serve it, ask one chat question through the OpenAI-compatible API, then stop the server (SIGTERM)
+	$(BIN)/quantkit serve $(MODEL_OUT) --port $(PORT) & pid=$$!; \
+	for i in $$(seq 120); do curl -sf http://127.0.0.1:$(PORT)/health >/dev/null && break; sleep 1; done; \
+	curl -sS http://127.0.0.1:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \
+	  -d '{"messages": [{"role": "user", "content": "Name three uses of a paperclip."}], "max_tokens": 64, "temperature": 0}'; \
+	echo; kill -TERM $$pid; wait $$pid
 
 test: setup
 	$(BIN)/python -m pytest -q tests
