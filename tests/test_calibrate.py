@@ -109,49 +109,50 @@ def test_changed_fingerprint_starts_fresh(tmp_path):
     assert logs[-1] == f"{tmp_path / 'w'} holds a run with a different config: starting fresh"
 
 
-CHILD = textwrap.dedent("""
+def calibrate_and_save(work: Path, out: Path, method: str, log=print) -> None:
+    """What the killed child and the in-process runs both do."""
+    from quantkit.formats.checkpoint import save_checkpoint
+
+    model = tiny_model()
+    cfg = config(method, act_order=True) if method == "gptq" else config(method)
+    report = calibrate(model, HF, tiny_calib(), cfg, work_dir=work, progress=False, log=log)
+    save_checkpoint(out, model, HF, None, cfg.layout, {"method": method, "layers": report})
+
+
+KILLED_CHILD = textwrap.dedent("""
     import os, signal, sys, torch
     torch.set_num_threads(1)
     sys.path.insert(0, {tests!r})
-    from test_calibrate import HF, config, tiny_calib, tiny_model
-    from quantkit.formats.checkpoint import save_checkpoint
+    from test_calibrate import calibrate_and_save
     from quantkit.quant import resume
-    from quantkit.quant.calibrate import calibrate
 
-    work, out, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
     save_inputs = resume.WorkFolder.save_inputs
 
-    def save_then_die(self, next_block, x):  # a real SIGKILL right after block `kill_after - 1` is durable
+    def save_then_die(self, next_block, x):  # a real SIGKILL right after the second block is durable
         save_inputs(self, next_block, x)
-        if next_block == kill_after:
+        if next_block == 2:
             os.kill(os.getpid(), signal.SIGKILL)
 
     resume.WorkFolder.save_inputs = save_then_die
-    model = tiny_model()
-    report = calibrate(model, HF, tiny_calib(), config("gptq", act_order=True), work_dir=work, progress=False)
-    save_checkpoint(out, model, HF, None, "gptq", {{"method": "gptq", "layers": report}})
+    calibrate_and_save({work!r}, {out!r}, {method!r})
 """)
 
 
-def run_child(script: Path, work: Path, out: Path, kill_after: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), str(work), str(out), str(kill_after)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+@pytest.mark.parametrize("method", ["gptq", "awq"])  # AWQ also rescales the norms the work folder must restore
+def test_sigkill_after_second_block_then_resume_gives_same_bytes(tmp_path, method):
+    work, resumed = tmp_path / "work", tmp_path / "resumed"
+    script = KILLED_CHILD.format(tests=str(REPO / "tests"), work=str(work), out=str(resumed), method=method)
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert killed.returncode == -9, killed.stderr
+    assert not resumed.exists()
+    assert sorted(p.name for p in work.glob("block_*")) == ["block_000.safetensors", "block_001.safetensors"]
 
-
-def test_sigkill_after_second_block_then_resume_gives_same_bytes(tmp_path):
-    script = tmp_path / "child.py"
-    script.write_text(CHILD.format(tests=str(REPO / "tests")))
-
-    clean = run_child(script, tmp_path / "w1", tmp_path / "clean", -1)
-    assert clean.returncode == 0, clean.stderr
-    killed = run_child(script, tmp_path / "w2", tmp_path / "resumed", 2)
-    assert killed.returncode == -9 and not (tmp_path / "resumed").exists()
-    assert sorted(p.name for p in (tmp_path / "w2").glob("block_*")) == ["block_000.safetensors", "block_001.safetensors"]
-    resumed = run_child(script, tmp_path / "w2", tmp_path / "resumed", -1)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resuming from" in resumed.stdout and "blocks 0-1 are done" in resumed.stdout
+    logs = []
+    calibrate_and_save(work, resumed, method, log=logs.append)
+    assert logs == [f"resuming from {work}: blocks 0-1 are done"]
+    calibrate_and_save(None, tmp_path / "clean", method)  # one uninterrupted run, no work folder
     for name in ("model.safetensors", "config.json"):
-        assert (tmp_path / "clean" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+        assert (tmp_path / "clean" / name).read_bytes() == (resumed / name).read_bytes(), name
 
 
 def write(path: Path, text: str) -> Path:

@@ -57,7 +57,7 @@ def register(app: typer.Typer) -> None:
         from quantkit.quant.calibrate import calibrate, make_method
         from quantkit.recipes import calib_config, load_recipe
 
-        console = Console(stderr=True)
+        console = Console(stderr=True, soft_wrap=True)  # long paths stay on one line
         rec = load_recipe(recipe) if recipe is not None else None
         flags = dict(model=model, method=method, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
                      static_groups=static_groups, damp=damp, format=layout, data=data, num_samples=num_samples,
@@ -81,6 +81,8 @@ def register(app: typer.Typer) -> None:
         calib = None
         if make_method(cfg, hf_config.get("model_type", "llama")).needs:
             calib = calibration_batches(cfg.data, loaded.tokenizer, cfg.num_samples, cfg.seq_len, cfg.data_mode, cfg.seed)
+        elif cfg.data is not None:
+            console.print(f"{cfg.method} needs no calibration data: {cfg.data} is not used")
         report = calibrate(loaded.model, loaded.hf_config, calib, cfg, work_dir=work, resume=resume, device=device,
                            log=console.print)
         meta = {

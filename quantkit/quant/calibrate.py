@@ -32,9 +32,6 @@ from quantkit.quant.resume import WorkFolder
 from quantkit.quant.rtn import RTN
 from quantkit.quant.scheme import QTensor, dequantize
 
-QTENSOR_FIELDS = ("codes", "zeros", "scales", "g_idx")
-
-
 class InputStats:
     """Statistics of one Linear input over the calibration tokens (Linears fed the same tensor share one)."""
 
@@ -167,15 +164,6 @@ def block_forward(block: nn.Module, x: torch.Tensor, positions: torch.Tensor, ba
                       for b0 in range(0, x.shape[0], batch_size)])
 
 
-def qtensor_tensors(name: str, qt: QTensor) -> dict[str, torch.Tensor]:
-    return {f"{name}.{f}": getattr(qt, f).cpu() for f in QTENSOR_FIELDS if getattr(qt, f) is not None}
-
-
-def qtensor_from(tensors: dict[str, torch.Tensor], name: str, cfg: CalibConfig) -> QTensor:
-    s = cfg.scheme
-    return QTensor(*(tensors.get(f"{name}.{f}") for f in QTENSOR_FIELDS), s.bits, s.group_size, s.sym)
-
-
 def swap_in_qlinear(block: nn.Module, name: str, qt: QTensor) -> None:
     from quantkit.quant.qlinear import QLinear
 
@@ -184,12 +172,6 @@ def swap_in_qlinear(block: nn.Module, name: str, qt: QTensor) -> None:
     linear = getattr(parent, child)
     bias = None if linear.bias is None else linear.bias.detach()
     setattr(parent, child, QLinear.from_qtensor(qt, bias))
-
-
-def float_tensors(block: nn.Module, linears: list[str]) -> dict[str, torch.Tensor]:
-    """The block's float parameters other than the quantized weights (norms, biases; AWQ rescales norms)."""
-    skip = {f"{n}.weight" for n in linears}
-    return {k: v.detach().cpu() for k, v in block.named_parameters() if k not in skip}
 
 
 def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_dir: Optional[Path] = None,
@@ -224,11 +206,9 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
 
     report: list[dict] = []
     for i in range(start):  # finished blocks come back from the work folder
-        tensors, block_report = work.load_block(i)
-        floats = float_tensors(layers[i], spec.linears)
-        layers[i].load_state_dict({k: tensors[k] for k in floats}, strict=False)
-        for name in spec.linears:
-            swap_in_qlinear(layers[i], name, qtensor_from(tensors, name, cfg))
+        qts, block_report = work.load_block(i, layers[i], spec.linears, cfg.scheme)
+        for name, qt in qts.items():
+            swap_in_qlinear(layers[i], name, qt)
         report += block_report
 
     x = mask = positions = None
@@ -270,14 +250,12 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
                 with autocast(device, compute_dtype):
                     x = block_forward(block, x, positions, cfg.batch_size, device)
             block.cpu()
-            tensors = float_tensors(block, spec.linears)
-            for name, qt in qts.items():
-                tensors.update(qtensor_tensors(name, qt))
-                swap_in_qlinear(block, name, qt)
             if work is not None:
-                work.save_block(i, tensors, block_report)
+                work.save_block(i, block, qts, block_report)
                 if needs_data:
                     work.save_inputs(i + 1, x)
+            for name, qt in qts.items():
+                swap_in_qlinear(block, name, qt)
             report += block_report
             bar.update(task, advance=1)
     return report

@@ -15,13 +15,18 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
+from quantkit.config import QuantScheme
 from quantkit.errors import QuantkitError
+from quantkit.quant.scheme import QTensor
+
+QTENSOR_FIELDS = ("codes", "zeros", "scales", "g_idx")
 
 
 def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -82,12 +87,23 @@ class WorkFolder:
         with safe_open(str(inputs), framework="pt") as f:
             return min(n, int((f.metadata() or {}).get("next_block", 0)))
 
-    def save_block(self, index: int, tensors: dict[str, torch.Tensor], report: list[dict]) -> None:
+    def save_block(self, index: int, block: nn.Module, qts: dict[str, QTensor], report: list[dict]) -> None:
+        """The block's QTensors and its other float parameters (norms, biases: AWQ rescales norms)."""
+        quantized = {f"{name}.weight" for name in qts}
+        tensors = {k: v.detach().cpu() for k, v in block.named_parameters() if k not in quantized}
+        for name, qt in qts.items():
+            tensors.update({f"{name}.{f}": getattr(qt, f) for f in QTENSOR_FIELDS if getattr(qt, f) is not None})
         atomic_save(tensors, self.path / f"block_{index:03d}.safetensors", {"report": json.dumps(report)})
 
-    def load_block(self, index: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    def load_block(self, index: int, block: nn.Module, linears: Sequence[str], scheme: QuantScheme
+                   ) -> tuple[dict[str, QTensor], list[dict]]:
+        """Restore the block's float parameters in place; returns its QTensors and report."""
         tensors, meta = _load(self.path / f"block_{index:03d}.safetensors")
-        return tensors, json.loads(meta["report"])
+        quantized = {f"{n}.{f}" for n in linears for f in QTENSOR_FIELDS}
+        block.load_state_dict({k: v for k, v in tensors.items() if k not in quantized}, strict=False)
+        qts = {n: QTensor(*(tensors.get(f"{n}.{f}") for f in QTENSOR_FIELDS), scheme.bits, scheme.group_size,
+                          scheme.sym) for n in linears}
+        return qts, json.loads(meta["report"])
 
     def save_inputs(self, next_block: int, x: torch.Tensor) -> None:
         atomic_save({"x": x}, self.path / "inputs.safetensors", {"next_block": str(next_block)})
