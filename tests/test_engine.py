@@ -310,7 +310,7 @@ def bundled_reference(bundled, shared_data):
     return prompts, refs
 
 
-MAX_NEW = 20
+MAX_NEW = 16
 
 
 def assert_same_or_tie(ours, ref):
