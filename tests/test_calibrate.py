@@ -226,3 +226,25 @@ def test_cli_rtn_on_bundled_model(tmp_path, bundled):
         qt, _ = folder.qlinears[name]
         assert torch.equal(qt.codes, quantize_rtn(bundled.model.get_submodule(name).weight, scheme).codes)
     assert not (tmp_path / ".rtn.work").exists()
+
+
+@torch.no_grad()
+def test_replaying_finished_submodules_changes_nothing(monkeypatch):
+    import contextlib
+
+    from quantkit.quant import calibrate as driver
+
+    base, calib = tiny_model(), tiny_calib()
+    replays = []
+    replay_call = driver._Replayed.forward
+    monkeypatch.setattr(driver._Replayed, "forward", lambda self, *a: replays.append(1) or replay_call(self, *a))
+    fast = copy.deepcopy(base)
+    calibrate(fast, HF, calib, config("gptq"), progress=False)
+    # self_attn is replayed in the [down] stage and in the final forward: 2 per batch (2 batches) per block
+    assert len(replays) == 4 * 2 * 2
+
+    monkeypatch.setattr(driver.Replay, "forward", lambda self, done, batches, record=True: contextlib.nullcontext())
+    slow = copy.deepcopy(base)
+    calibrate(slow, HF, calib, config("gptq"), progress=False)
+    for (name, a), b in zip(quantized_states(fast).items(), quantized_states(slow).values()):
+        assert torch.equal(a, b), name

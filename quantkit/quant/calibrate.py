@@ -13,6 +13,7 @@ The methods (quant/rtn.py, gptq.py, awq.py) only see weights and statistics: `ne
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -62,6 +63,52 @@ class InputStats:
 
 class _StageDone(Exception):
     """Raised by a hook once every Linear of the stage has seen its input: the rest of the block is skipped."""
+
+
+class Replay:
+    """Outputs of block submodules whose Linears are all quantized (self_attn once [k,v,q] and [o] are), recorded
+    by the first forward that runs them and replayed by the later forwards of the same block, which skip
+    recomputing them. A replayed output is the recorded tensor, so nothing downstream changes by a bit."""
+
+    def __init__(self, block: nn.Module, linears):
+        self.block = block
+        self.members: dict[str, set[str]] = {}  # submodule path -> the Linears under it
+        for name in linears:
+            parent = name.rpartition(".")[0]
+            if parent:
+                self.members.setdefault(parent, set()).add(name)
+        self.outputs: dict[str, list[torch.Tensor]] = {}  # path -> one output per batch, in call order
+
+    @contextlib.contextmanager
+    def forward(self, done: set[str], batches: int, record: bool = True):
+        swapped, handles = [], []
+        for path, members in self.members.items():
+            if not members <= done:
+                continue
+            module = self.block.get_submodule(path)
+            if len(self.outputs.get(path, ())) == batches:
+                swapped.append((path, module))
+                set_submodule(self.block, path, _Replayed(self.outputs[path]))
+            elif record:
+                keep = self.outputs[path] = []
+                handles.append(module.register_forward_hook(lambda m, args, out, keep=keep: keep.append(out)))
+        try:
+            yield
+        finally:
+            for path, module in swapped:
+                set_submodule(self.block, path, module)
+            for handle in handles:
+                handle.remove()
+
+
+class _Replayed(nn.Module):
+    def __init__(self, outputs: list[torch.Tensor]):
+        super().__init__()
+        self.outputs, self.calls = outputs, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.outputs[self.calls - 1]
 
 
 def make_method(cfg: CalibConfig, model_type: str):
@@ -164,14 +211,16 @@ def block_forward(block: nn.Module, x: torch.Tensor, positions: torch.Tensor, ba
                       for b0 in range(0, x.shape[0], batch_size)])
 
 
+def set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
 def swap_in_qlinear(block: nn.Module, name: str, qt: QTensor) -> None:
     from quantkit.quant.qlinear import QLinear
 
-    parent_name, _, child = name.rpartition(".")
-    parent = block.get_submodule(parent_name) if parent_name else block
-    linear = getattr(parent, child)
-    bias = None if linear.bias is None else linear.bias.detach()
-    setattr(parent, child, QLinear.from_qtensor(qt, bias))
+    bias = block.get_submodule(name).bias
+    set_submodule(block, name, QLinear.from_qtensor(qt, None if bias is None else bias.detach()))
 
 
 def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_dir: Optional[Path] = None,
@@ -229,9 +278,10 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
             prefix, block = f"model.layers.{i}.", layers[i].to(device)
             qts: dict[str, QTensor] = {}
             block_report: list[dict] = []
+            replay, batches = Replay(block, spec.linears), -(-len(x) // cfg.batch_size) if needs_data else 0
             for stage in stages:
                 t0 = time.perf_counter()
-                with autocast(device, compute_dtype):
+                with autocast(device, compute_dtype), replay.forward(set(qts), batches):
                     stats = (capture_stage(block, stage, x, mask, positions, method.needs, cfg.batch_size, prefix,
                                            device) if needs_data else {})
                 for name, qt, info in method.quantize_stage(block, stage, stats, prefix):
@@ -247,7 +297,7 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
                     loss = info.get("loss")
                     bar.update(task, status=f"{name} loss {loss:.4g}" if loss is not None else name)
             if needs_data:
-                with autocast(device, compute_dtype):
+                with autocast(device, compute_dtype), replay.forward(set(qts), batches, record=False):
                     x = block_forward(block, x, positions, cfg.batch_size, device)
             block.cpu()
             if work is not None:
