@@ -20,13 +20,14 @@ def correlated_inputs(t: int, k: int, seed: int = 0) -> torch.Tensor:
     return (torch.randn(t, k, generator=g) @ mix + 0.3 * torch.randn(t, k, generator=g)) * torch.rand(k, generator=g).add(0.2)
 
 
-def test_hessian_is_mean_outer_product_with_mask():
-    x = torch.randn(3, 40, 16, dtype=torch.float64)
+@pytest.mark.parametrize("k", [16, 1100])  # 1100: the block-triangular accumulation with a ragged last block
+def test_hessian_is_mean_outer_product_with_mask(k):
+    x = torch.randn(3, 40, k, dtype=torch.float64)
     mask = torch.rand(3, 40) > 0.4
     ref = x[mask].T @ x[mask] / int(mask.sum())
     torch.testing.assert_close(hessian(x.float(), mask).double(), ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(hessian(x.float()).double(), x.reshape(-1, 16).T @ x.reshape(-1, 16) / 120,
-                               rtol=1e-5, atol=1e-6)
+    flat = x.reshape(-1, k)
+    torch.testing.assert_close(hessian(x.float()).double(), flat.T @ flat / 120, rtol=1e-5, atol=1e-6)
 
 
 def test_hand_solved_two_correlated_columns():

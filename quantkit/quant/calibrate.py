@@ -28,7 +28,7 @@ from quantkit.config import CalibConfig
 from quantkit.errors import QuantkitError
 from quantkit.models.registry import arch_spec
 from quantkit.quant.awq import AWQ, accumulate_magnitude
-from quantkit.quant.gptq import GPTQ, accumulate_hessian
+from quantkit.quant.gptq import GPTQ, accumulate_hessian, finish_hessian
 from quantkit.quant.resume import WorkFolder
 from quantkit.quant.rtn import RTN
 from quantkit.quant.scheme import QTensor, dequantize
@@ -55,7 +55,7 @@ class InputStats:
         return all(bool(torch.isfinite(t).all()) for t in (self.h_sum, self.abs_sum) if t is not None)
 
     def hessian(self) -> torch.Tensor:
-        return self.h_sum / max(self.tokens, 1)
+        return finish_hessian(self.h_sum, self.tokens)
 
     def magnitude(self) -> torch.Tensor:
         return self.abs_sum / max(self.tokens, 1)

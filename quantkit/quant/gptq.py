@@ -26,6 +26,7 @@ from quantkit.quant.scheme import QTensor, canonical_g_idx, dequantize, fit_qpar
 # Dampening fractions tried, in order, after the requested one when the factorisation fails.
 DAMP_LADDER = (0.01, 0.03, 0.1, 0.3, 1.0)
 _CHUNK = 8192  # rows of X multiplied at once when accumulating H
+_HBLOCK = 512  # column block of the triangular H accumulation
 
 
 @dataclass
@@ -37,19 +38,33 @@ class GPTQStats:
 
 
 def accumulate_hessian(h_sum: torch.Tensor, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> int:
-    """h_sum [K, K] fp32 += X^T X over the tokens of x [..., K] (any float dtype) where mask [...] (bool) is True.
-    Returns the number of tokens added; H = h_sum / tokens."""
+    """h_sum [K, K] fp32 += X^T X over the tokens of x [..., K] (any float dtype) where mask [...] (bool) is True,
+    upper block triangle only for wide inputs (symmetric: `finish_hessian` mirrors it, a third fewer FLOPs at
+    K = 3 * 512). Returns the number of tokens added."""
     x = x.reshape(-1, x.shape[-1]) if mask is None else x[mask]
+    k = x.shape[-1]
+    step = _HBLOCK if k >= 2 * _HBLOCK else k
     for start in range(0, x.shape[0], _CHUNK):
         xc = x[start:start + _CHUNK].float()  # [t, K]
-        h_sum.addmm_(xc.T, xc)
+        for i in range(0, k, step):
+            h_sum[i:i + step, i:].addmm_(xc[:, i:i + step].T, xc[:, i:])
     return x.shape[0]
+
+
+def finish_hessian(h_sum: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The accumulated upper block triangle -> the full symmetric H = X^T X / T."""
+    k = h_sum.shape[0]
+    step = _HBLOCK if k >= 2 * _HBLOCK else k
+    upper = torch.ones(k // step + 1, k // step + 1, dtype=torch.bool, device=h_sum.device).triu()
+    blocks = upper.repeat_interleave(step, 0)[:k].repeat_interleave(step, 1)[:, :k]  # [K, K] True on the blocks
+    h = torch.where(blocks, h_sum, h_sum.T)
+    return h / max(tokens, 1)
 
 
 def hessian(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K], mask [...] bool or None -> H = X^T X / T, fp32 [K, K]."""
     h = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32, device=x.device)
-    return h / max(accumulate_hessian(h, x, mask), 1)
+    return finish_hessian(h, accumulate_hessian(h, x, mask))
 
 
 def output_error(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> float:
