@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--fp16-ppl", type=float, help="the FP16 perplexity measured before (skips measuring it)")
     ap.add_argument("--flags", default="", help='more calibrate flags for every run, e.g. "--compute-dtype bfloat16"')
     ap.add_argument("--json", type=Path, default=Path("calibrate.json"))
     ap.add_argument("--keep", type=Path, help="write the checkpoints here (default: a temporary folder)")
@@ -101,7 +102,7 @@ def main() -> None:
         raise SystemExit(f"unknown runs {unknown}: choose from {', '.join(RUNS)}")
 
     folder = args.keep or Path(tempfile.mkdtemp(prefix="quantkit-bench-calibrate-"))
-    fp16 = wikitext_ppl("bundled", args.windows)
+    fp16 = args.fp16_ppl or wikitext_ppl("bundled", args.windows)
     rows = []
     for name in names:
         row = run_calibrate(name, RUNS[name], args, folder)
