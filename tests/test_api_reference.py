@@ -26,7 +26,7 @@ from tests.api_live import live_server, serving_app
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 32
+MAX_TOKENS = 20
 TIE_TOLERANCE = 1e-3
 NUM_CHAT = NUM_COMPLETION = 8
 MODEL_NAME = "smollm2-ref"
