@@ -248,3 +248,16 @@ def test_replaying_finished_submodules_changes_nothing(monkeypatch):
     calibrate(slow, HF, calib, config("gptq"), progress=False)
     for (name, a), b in zip(quantized_states(fast).items(), quantized_states(slow).values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,message", [
+    (["--group-size", "128"], "error: group_size=128 does not divide in_features=576 of layer "
+                              "model.layers.N.self_attn.q_proj"),
+    (["--method", "awq", "--bits", "8", "--format", "awq"], "error: format awq (AWQ GEMM) is 4-bit only"),
+])
+def test_cli_rejects_a_bad_scheme_before_loading(tmp_path, bundled_dir, flags, message):
+    done = subprocess.run([sys.executable, "-m", "quantkit.cli", "calibrate", *flags, "--out", str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
+    assert not (tmp_path / "x").exists()

@@ -18,6 +18,15 @@ def default_group_size(hf_config: dict) -> int:
     return next((g for g in GROUP_SIZES if all(w % g == 0 for w in widths)), -1)
 
 
+def check_group_size(scheme, hf_config: dict) -> None:
+    """Fail before loading any weights when the group size does not divide a Linear's in_features."""
+    heads = hf_config["num_attention_heads"]
+    widths = {"self_attn.q_proj": hf_config["hidden_size"], "mlp.down_proj": hf_config["intermediate_size"],
+              "self_attn.o_proj": heads * hf_config.get("head_dim", hf_config["hidden_size"] // heads)}
+    for layer, width in widths.items():
+        scheme.groups(width, f"model.layers.N.{layer}")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("calibrate")
     def calibrate_command(
@@ -70,6 +79,7 @@ def register(app: typer.Typer) -> None:
         if group_size is None and not (rec and "group_size" in rec.calib):
             flags["group_size"] = default_group_size(hf_config)
         cfg = calib_config(rec, flags)
+        check_group_size(cfg.scheme, hf_config)
         if cfg.method == "awq" and cfg.scheme.bits == 8 and layout is None:
             console.print(f"AWQ GEMM is 4-bit only: writing the 8-bit AWQ weights as {cfg.layout}")
         out = out or Path(f"{Path(name.split(':')[-1]).name}-{cfg.method}-{cfg.scheme.name()}")
