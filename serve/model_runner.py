@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,8 +98,8 @@ class ModelRunner:
         """blocks = (budget - weights - activation peak) // (block_size x bytes per token)."""
         if self.cfg.kv_cache_memory is not None:
             return num_kv_blocks(self.cfg.kv_cache_memory, self.block_size, self.bytes_per_token)
-        peak = self.profile_activation_peak()
         if self.device.type == "cuda":
+            peak = self.profile_activation_peak()
             free, total = torch.cuda.mem_get_info(self.device)
             weights = torch.cuda.memory_allocated(self.device)
             budget = total * self.cfg.gpu_memory_utilization - weights - peak
@@ -108,12 +107,24 @@ class ModelRunner:
             import psutil
 
             available = psutil.virtual_memory().available  # weights are already resident
-            budget = min(self.cfg.cpu_kv_cache_max_bytes, self.cfg.cpu_kv_cache_fraction * available) - peak
+            budget = min(self.cfg.cpu_kv_cache_max_bytes, self.cfg.cpu_kv_cache_fraction * available)
+            budget -= self.activation_bound()
         return num_kv_blocks(budget, self.block_size, self.bytes_per_token)
+
+    def activation_bound(self) -> int:
+        """CPU: an upper bound on one step's activations, instead of a profiling forward (a 2048-token prefill
+        cost most of the cold start here). Per token, fp32 worst case: residual + normed input + q/k/v + attention
+        out + gate/up/act (x 4 bytes); plus the logits of max_num_seqs rows."""
+        cfg = self.model.config
+        tokens = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        per_token = 3 * cfg.hidden_size + qkv + cfg.num_attention_heads * cfg.head_dim + 3 * cfg.intermediate_size
+        rows = min(tokens, self.cfg.max_num_seqs)
+        return 4 * (tokens * per_token + 2 * rows * cfg.vocab_size)
 
     @torch.inference_mode()
     def profile_activation_peak(self) -> int:
-        """Bytes above the resident set during a forward of max_num_batched_tokens prompt tokens (also warms up)."""
+        """CUDA: bytes above the allocated set during a forward of max_num_batched_tokens prompt tokens (also warms up)."""
         tokens = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         blocks = -(-tokens // self.block_size)
         caches = [
@@ -134,17 +145,12 @@ class ModelRunner:
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(tokens, device=self.device)
         rows = torch.arange(min(tokens, self.cfg.max_num_seqs), device=self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            self.model(ids, positions, attn, rows)
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device) - base
-        base = _rss_bytes()
-        _reset_peak_rss()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
         self.model(ids, positions, attn, rows)
-        return max(0, _peak_rss_bytes() - base)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base
 
     # ---- one step
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
@@ -243,25 +249,3 @@ def advise_huge_pages(t: torch.Tensor) -> None:
     if end - start >= huge:
         madv_hugepage = 14
         ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), madv_hugepage)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _reset_peak_rss() -> None:
-    """Reset VmHWM (Linux: writing 5 to clear_refs); harmless where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError as e:
-        log.debug("cannot reset peak RSS (%s): the activation peak is measured against the process maximum", e)
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
