@@ -79,6 +79,7 @@ def gguf_to_hf_folder(gguf: Path, out: Optional[Path] = None) -> Path:
     hf_config = hf_model.config.to_dict()
     hf_config.pop("quantization_config", None)  # the folder is plain FP16 now, not GGUF
     hf_config["torch_dtype"] = hf_config["dtype"] = "float16"
+    hf_config["architectures"] = [type(hf_model).__name__]  # vLLM picks its model class from this
     state = {k: v.to(torch.float16).contiguous() for k, v in hf_model.state_dict().items()}
     if hf_config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
