@@ -30,6 +30,8 @@ RUNS = {
     "gptq-w4g64": ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym"],
     "gptq-w4g64-fp32": ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym", "--compute-dtype", "float32"],
     "gptq-w4g64-act": ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym", "--act-order"],
+    "gptq-w4g64-act-static": ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym", "--act-order",
+                              "--static-groups"],
     "gptq-w8g64": ["--method", "gptq", "--bits", "8", "--group-size", "64", "--sym"],
     "awq-w4g64": ["--method", "awq", "--bits", "4", "--group-size", "64", "--asym"],
 }
