@@ -71,7 +71,7 @@ DATA_MODES = ("concat", "rows")
 CALIB_KEYS: dict[str, type] = {
     "model": str, "method": str, "bits": int, "group_size": int, "sym": bool, "act_order": bool,
     "static_groups": bool, "format": str, "data": str, "num_samples": int, "seq_len": int, "data_mode": str,
-    "seed": int, "damp": float, "block_size": int, "batch_size": int, "compute_dtype": str,
+    "seed": int, "damp": float, "group_aware": bool, "block_size": int, "batch_size": int, "compute_dtype": str,
 }
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -96,6 +96,10 @@ class CalibConfig:
     data_mode: str = "concat"  # "concat": chunks of a token stream; "rows": one sample per row
     seed: int = 0
     damp: float = 0.01  # GPTQ dampening, fraction of mean(diag H)
+    # GPTQ without act-order: process each group's columns by descending diag(H) and the groups by their largest
+    # diag(H) (group-aware reordering, Gafni et al. 2025, GPTQModel's default); groups stay k // g, so nothing
+    # changes on disk (no g_idx) and qparams are still fit on the updated columns as each group starts
+    group_aware: bool = True
     block_size: int = 128  # GPTQ lazy-batch columns
     batch_size: int = 8  # calibration samples per block forward
     # matmuls of the calibration forwards: "bfloat16" autocasts them (weights, residual stream and statistics stay
@@ -157,7 +161,8 @@ class CalibConfig:
         try:
             scheme = QuantScheme(**scheme_args)
             args = {k: flat[k] for k in ("data", "num_samples", "seq_len", "data_mode", "seed", "block_size",
-                                        "batch_size", "model", "compute_dtype") if flat.get(k) is not None}
+                                        "batch_size", "model", "compute_dtype", "group_aware")
+                    if flat.get(k) is not None}
             if flat.get("damp") is not None:
                 args["damp"] = float(flat["damp"])
             layout = flat.get("format") or default_layout(method, scheme)
@@ -171,13 +176,13 @@ class CalibConfig:
         return {"model": self.model, "method": self.method, "bits": s.bits, "group_size": s.group_size, "sym": s.sym,
                 "act_order": s.act_order, "static_groups": s.static_groups, "format": self.layout, "data": self.data,
                 "num_samples": self.num_samples, "seq_len": self.seq_len, "data_mode": self.data_mode,
-                "seed": self.seed, "damp": self.damp, "block_size": self.block_size, "batch_size": self.batch_size,
-                "compute_dtype": self.compute_dtype}
+                "seed": self.seed, "damp": self.damp, "group_aware": self.group_aware, "block_size": self.block_size,
+                "batch_size": self.batch_size, "compute_dtype": self.compute_dtype}
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """Everything that changes the calibrated weights (the work folder is reused only when these match)."""
         return {
             "method": self.method, "scheme": self.scheme.__dict__, "data_mode": self.data_mode,
             "num_samples": self.num_samples, "seq_len": self.seq_len, "seed": self.seed, "damp": self.damp,
-            "block_size": self.block_size, "batch_size": self.batch_size, "compute_dtype": self.compute_dtype,
+            "group_aware": self.group_aware, "block_size": self.block_size, "batch_size": self.batch_size, "compute_dtype": self.compute_dtype,
         }

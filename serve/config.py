@@ -20,6 +20,10 @@ class EngineConfig:
     float16/bfloat16 on CUDA).  seed: the engine generator for requests without their own seed.
     attention_backend: auto (Triton kernels on CUDA fp16/bf16; on CPU torch SDPA with the C decode kernel),
     torch (pure torch everywhere), triton.
+    Speculative decoding (serve/speculative.py): speculative_method ngram (prompt lookup of n-grams between
+    ngram_prompt_lookup_min and _max tokens) or draft (speculative_model drafts; set alone, it implies draft);
+    num_speculative_tokens drafts per step; off for a step with more than speculative_disable_by_batch_size
+    decoding sequences, and for a sequence whose acceptance rate falls below speculative_min_acceptance.
     """
 
     block_size: int = 16
@@ -36,8 +40,17 @@ class EngineConfig:
     seed: int = 0
     log_stats_interval: float = 5.0
     attention_backend: str = "auto"
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_disable_by_batch_size: int = 4
+    speculative_min_acceptance: float = 0.2
+    ngram_prompt_lookup_max: int = 4
+    ngram_prompt_lookup_min: int = 2
 
     def __post_init__(self):
+        if self.speculative_method is None and self.speculative_model is not None:
+            self.speculative_method = "draft"
         checks = [
             ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              "a power of two such as 16"),
@@ -49,6 +62,14 @@ class EngineConfig:
             ("cpu_kv_cache_fraction", 0.0 < self.cpu_kv_cache_fraction <= 1.0, "in (0, 1]"),
             ("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
             ("attention_backend", self.attention_backend in ("auto", "torch", "triton"), "auto, torch or triton"),
+            ("speculative_method", self.speculative_method in (None, "ngram", "draft"), "ngram or draft"),
+            ("speculative_model", (self.speculative_method == "draft") == (self.speculative_model is not None),
+             "a model path exactly when speculative_method is draft"),
+            ("num_speculative_tokens", self.num_speculative_tokens >= 1, "at least 1"),
+            ("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size >= 1, "at least 1"),
+            ("speculative_min_acceptance", 0.0 <= self.speculative_min_acceptance <= 1.0, "in [0, 1]"),
+            ("ngram_prompt_lookup_min", 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max,
+             "at least 1 and at most ngram_prompt_lookup_max"),
             ("device", self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              "auto, cpu or cuda[:N]"),
         ]

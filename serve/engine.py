@@ -19,6 +19,7 @@ from collections import Counter, deque
 import torch
 
 from quantkit.serve.block_manager import BlockManager
+from quantkit.serve.capacity import kv_bytes_per_token
 from quantkit.serve.config import EngineConfig
 from quantkit.serve.detokenizer import IncrementalDetokenizer, find_stop, held_back
 from quantkit.serve.model_runner import ModelRunner, StepBatch
@@ -27,6 +28,7 @@ from quantkit.serve.sampler import Sampler, SamplerOutput, logprob_dicts
 from quantkit.serve.sampling_params import SamplingParams
 from quantkit.serve.scheduler import Scheduler
 from quantkit.serve.sequence import Request, Sequence, SequenceStatus
+from quantkit.serve.speculative import build_speculator, spec_stats
 
 log = logging.getLogger("quantkit.serve")
 
@@ -44,7 +46,9 @@ def context_length_message(max_model_len: int, max_tokens: int, num_prompt: int)
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None, eos_token_ids: list[int] | None = None):
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, eos_token_ids: list[int] | None = None,
+                 draft_model=None):
+        """draft_model: the proposer model when config.speculative_method is "draft" (same vocabulary)."""
         self.cfg = config or EngineConfig()
         self.loaded = None  # the quantkit Loaded this engine serves, when built by llm.build_engine
         self.model = model
@@ -56,8 +60,16 @@ class LLMEngine:
         if eos_token_ids is None:
             eos_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.eos_token_ids = set(eos_token_ids)
-        self.runner = ModelRunner(model, self.cfg, self.device, self.dtype, self.max_model_len)
+        draft_kv = 0
+        if self.cfg.speculative_method == "draft":
+            if draft_model is None or draft_model.config.vocab_size != self.vocab_size:
+                raise ValueError("speculative_method 'draft' needs a draft model with the target's vocabulary "
+                                 f"({self.vocab_size} tokens)")
+            draft_kv = kv_bytes_per_token(draft_model.config, torch.empty((), dtype=self.dtype).element_size())
+        self.runner = ModelRunner(model, self.cfg, self.device, self.dtype, self.max_model_len,
+                                  shared_kv_bytes_per_token=draft_kv)
         self.block_manager = BlockManager(self.runner.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
+        self.speculator = build_speculator(self.cfg, self.runner, self.block_manager, self.max_model_len, draft_model)
         self.scheduler = Scheduler(self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
         self.sampler = Sampler(self.eos_token_ids, self.cfg.seed)
         self.requests: dict[str, Request] = {}
@@ -119,6 +131,8 @@ class LLMEngine:
 
     # ---- the loop
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -128,8 +142,12 @@ class LLMEngine:
             s.seq.num_computed_tokens += s.num_new_tokens
         self.computed_tokens += sched.num_batched_tokens
         self._prompt_logprobs(batch, logits)
-        sampled = self.sampler(logits[batch.sample_row0 :], batch.sample_seqs, batch.sample_generators)
-        touched = self._append_samples(batch, sampled, time.time())
+        sampled = self.sampler(logits[batch.sample_row0 : batch.spec_row0], batch.sample_seqs,
+                               batch.sample_generators)
+        now = time.time()
+        touched = self._append_samples(batch, sampled, now)
+        for seq, row in batch.spec_rows:
+            self._append_verified(seq, logits[row : row + len(seq.spec_token_ids) + 1], now, touched)
         self.num_steps += 1
         if self.num_steps % KV_SAMPLE_EVERY == 0 and self.scheduler.running:
             sample = self.kv_slot_utilization()
@@ -137,7 +155,7 @@ class LLMEngine:
             total = self.kv_slot_total
             total[0], total[1], total[2] = total[0] + sample, total[1] + 1, min(total[2], sample)
         self._maybe_log()
-        return [r.output() for r in touched]
+        return [r.output() for r in touched.values()]
 
     def _prompt_logprobs(self, batch: StepBatch, logits: torch.Tensor) -> None:
         for pr in batch.prompt_rows:
@@ -148,7 +166,7 @@ class LLMEngine:
             k = request.params.prompt_logprobs
             request.prompt_logprobs.extend(logprob_dicts(rows, targets, [k] * pr.count))
 
-    def _append_samples(self, batch: StepBatch, sampled: SamplerOutput, now: float) -> list[Request]:
+    def _append_samples(self, batch: StepBatch, sampled: SamplerOutput, now: float) -> dict[str, Request]:
         touched: dict[str, Request] = {}
         seqs, i = batch.sample_seqs, 0
         while i < len(seqs):
@@ -164,7 +182,27 @@ class LLMEngine:
             touched[request.request_id] = request
             if request.is_finished:
                 self._finish_request(request, now)
-        return list(touched.values())
+        return touched
+
+    def _append_verified(self, seq: Sequence, logits: torch.Tensor, now: float, touched: dict[str, Request]) -> None:
+        """Speculation: logits [d + 1, V] verify seq's d drafts; the emitted tokens are appended until one stops
+        the sequence, and the KV of rejected drafts is given up (num_computed_tokens moves back)."""
+        num_drafts = len(seq.spec_token_ids)
+        emitted = self.speculator.verify(seq, logits)
+        seq.num_computed_tokens -= num_drafts - (len(emitted) - 1)
+        k = seq.request.params.logprobs
+        dicts = [None] * len(emitted)
+        if k is not None:
+            rows = torch.log_softmax(logits[: len(emitted)], dim=-1)
+            dicts = logprob_dicts(rows, torch.tensor(emitted, device=rows.device), [k] * len(emitted))
+        for token, entry in zip(emitted, dicts):
+            self._append_token(seq, token, entry, entry[token] if entry is not None else None, now)
+            if seq.is_finished:
+                break
+        request = seq.request
+        touched[request.request_id] = request
+        if request.is_finished:
+            self._finish_request(request, now)
 
     def _fork(self, parent: Sequence, n: int) -> list[Sequence]:
         """n - 1 children sharing the parent's computed prompt blocks (or recomputing it when the pool is full)."""
@@ -263,9 +301,7 @@ class LLMEngine:
             "kv_slot_utilization_mean": slot_sum / slot_count if slot_count else None,
             "kv_slot_utilization_min": slot_min if slot_count else None,
             "kv_slot_utilization_samples": slot_count,
-            "spec_decode_num_drafts": 0,
-            "spec_decode_num_draft_tokens": 0,
-            "spec_decode_num_accepted_tokens": 0,
+            **spec_stats(self.speculator),
         }
 
     def _maybe_log(self) -> None:

@@ -42,7 +42,11 @@ def build_engine(model=None, **engine_kwargs) -> LLMEngine:
         hf = read_hf_config(folder)
         checkpoint_dtype = hf.get("torch_dtype") or hf.get("dtype")
         loaded = load_model(model, dtype=cfg.resolved_dtype(checkpoint_dtype), device=cfg.resolved_device())
-    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, eos_token_ids(loaded.tokenizer, loaded.path))
+    draft = None
+    if cfg.speculative_model is not None:
+        draft = load_model(cfg.speculative_model, dtype=next(loaded.model.parameters()).dtype,
+                           device=cfg.resolved_device()).model
+    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, eos_token_ids(loaded.tokenizer, loaded.path), draft)
     engine.loaded = loaded
     return engine
 

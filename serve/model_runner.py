@@ -43,15 +43,23 @@ class StepBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # int64 [R]: prompt-logprob rows, then sample rows
+    logits_indices: torch.Tensor  # int64 [R]: prompt-logprob rows, sample rows, then draft-verifying rows
     sample_seqs: list[Sequence] = field(default_factory=list)  # per sample row (a forking parent n times)
     sample_generators: list = field(default_factory=list)
     sample_row0: int = 0  # first sample row in the logits
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
+    spec_rows: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, first of its k + 1 rows), last
+
+    @property
+    def spec_row0(self) -> int:
+        return self.sample_row0 + len(self.sample_seqs)
 
 
 class ModelRunner:
-    def __init__(self, model, engine_cfg: EngineConfig, device: str, dtype: torch.dtype, max_model_len: int):
+    def __init__(self, model, engine_cfg: EngineConfig, device: str, dtype: torch.dtype, max_model_len: int,
+                 num_blocks: int | None = None, shared_kv_bytes_per_token: int = 0):
+        """num_blocks: a pool of exactly this size (a draft model's pool mirrors the target's block ids);
+        shared_kv_bytes_per_token: another pool of num_blocks (the draft's) shares the memory budget."""
         self.model = model
         self.cfg = engine_cfg
         self.device = torch.device(device)
@@ -64,7 +72,7 @@ class ModelRunner:
         if can_pack(dtype, self.device):
             log.info("prepacked %d Linear weights for oneDNN (bf16)", pack_linears(model, engine_cfg.max_num_batched_tokens))
         self.bytes_per_token = kv_bytes_per_token(mc, torch.empty((), dtype=dtype).element_size())
-        self.num_blocks = self._plan_blocks()
+        self.num_blocks = num_blocks or self._plan_blocks(self.bytes_per_token + shared_kv_bytes_per_token)
         if self.num_blocks * self.block_size < max_model_len:
             raise QuantkitError(
                 f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than one sequence of "
@@ -94,10 +102,10 @@ class ModelRunner:
         return TorchPagedAttention(kv_caches, scale, kernel)
 
     # ---- capacity
-    def _plan_blocks(self) -> int:
+    def _plan_blocks(self, bytes_per_token: int) -> int:
         """blocks = (budget - weights - activation peak) // (block_size x bytes per token)."""
         if self.cfg.kv_cache_memory is not None:
-            return num_kv_blocks(self.cfg.kv_cache_memory, self.block_size, self.bytes_per_token)
+            return num_kv_blocks(self.cfg.kv_cache_memory, self.block_size, bytes_per_token)
         if self.device.type == "cuda":
             peak = self.profile_activation_peak()
             free, total = torch.cuda.mem_get_info(self.device)
@@ -109,7 +117,7 @@ class ModelRunner:
             available = psutil.virtual_memory().available  # weights are already resident
             budget = min(self.cfg.cpu_kv_cache_max_bytes, self.cfg.cpu_kv_cache_fraction * available)
             budget -= self.activation_bound()
-        return num_kv_blocks(budget, self.block_size, self.bytes_per_token)
+        return num_kv_blocks(budget, self.block_size, bytes_per_token)
 
     def activation_bound(self) -> int:
         """CPU: an upper bound on one step's activations, instead of a profiling forward (a 2048-token prefill
@@ -153,33 +161,48 @@ class ModelRunner:
         return torch.cuda.max_memory_allocated(self.device) - base
 
     # ---- one step
+    def flatten(self, feeds: list[tuple[list[int], int, list[int]]]):
+        """feeds: per sequence (token ids to run, position of the first, block table), single-token feeds first.
+        -> (input_ids [T], positions [T], AttentionMetadata, query_start_loc np.int64 [S + 1])."""
+        bs = self.block_size
+        starts = [f[1] for f in feeds]
+        q_lens = [len(f[0]) for f in feeds]
+        seq_lens = [a + b for a, b in zip(starts, q_lens)]
+        max_blocks = max(len(f[2]) for f in feeds)
+        tables = np.zeros((len(feeds), max_blocks), dtype=np.int32)
+        for i, f in enumerate(feeds):
+            tables[i, : len(f[2])] = f[2]
+        q_lens_np = np.asarray(q_lens, dtype=np.int64)
+        qsl = np.zeros(len(feeds) + 1, dtype=np.int64)
+        np.cumsum(q_lens_np, out=qsl[1:])
+        seq_index = np.repeat(np.arange(len(feeds)), q_lens_np)  # [T] which sequence each token belongs to
+        positions = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1] - np.asarray(starts, dtype=np.int64), q_lens_np)
+        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            num_decodes=next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens)),
+            seq_lens_host=seq_lens, query_lens_host=q_lens,
+        )
+        ids = [t for f in feeds for t in f[0]]
+        return torch.tensor(ids, dtype=torch.int64, device=dev), torch.from_numpy(positions).to(dev), meta, qsl
+
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         """Flatten the scheduled sequences (decodes first) into input ids, positions and attention metadata."""
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes keep FCFS order
-        bs = self.block_size
-        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
-        starts = [s.seq.num_computed_tokens for s in order]
-        q_lens = [s.num_new_tokens for s in order]
-        seq_lens = [a + b for a, b in zip(starts, q_lens)]
-        ids: list[int] = []
-        for s, a, b in zip(order, starts, seq_lens):
-            toks = s.seq.token_ids
-            if b <= len(toks):
-                ids.extend(toks[a:b])
-            else:  # draft tokens beyond the verified ones
-                ids.extend((toks + s.seq.spec_token_ids)[a:b])
-        max_blocks = max(len(s.seq.block_table) for s in order)
-        tables = np.zeros((len(order), max_blocks), dtype=np.int32)
-        for i, s in enumerate(order):
-            tables[i, : len(s.seq.block_table)] = s.seq.block_table
-        q_lens_np = np.asarray(q_lens, dtype=np.int64)
-        qsl = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(q_lens_np, out=qsl[1:])
-        seq_index = np.repeat(np.arange(len(order)), q_lens_np)  # [T] which sequence each token belongs to
-        positions = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1] - np.asarray(starts, dtype=np.int64), q_lens_np)
-        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        feeds = []
+        for s in order:
+            seq, a = s.seq, s.seq.num_computed_tokens
+            b = a + s.num_new_tokens
+            toks = seq.token_ids if b <= seq.num_tokens else seq.token_ids + seq.spec_token_ids  # drafts last
+            feeds.append((toks[a:b], a, seq.block_table))
+        input_ids, positions, meta, qsl = self.flatten(feeds)
+        starts, seq_lens = [f[1] for f in feeds], meta.seq_lens_host
 
-        # logits rows: prompt-logprob rows, then sample rows
+        # logits rows: prompt-logprob rows, then sample rows, then the rows that verify drafts
         rows: list[int] = []
         prompt_rows: list[PromptLogprobRows] = []
         for i, s in enumerate(order):
@@ -192,37 +215,53 @@ class ModelRunner:
                 prompt_rows.append(PromptLogprobRows(seq, len(rows), last - first, first + 1))
                 rows.extend(range(int(qsl[i]) + first - starts[i], int(qsl[i]) + last - starts[i]))
         sample_row0 = len(rows)
-        sample_seqs, generators = [], []
+        sample_seqs, generators, verifying = [], [], []
         for i, s in enumerate(order):
             seq = s.seq
             if seq_lens[i] < seq.num_tokens + len(seq.spec_token_ids):
                 continue  # a prompt chunk that does not reach the end: nothing to sample yet
+            if seq.spec_token_ids:
+                verifying.append(i)
+                continue
             req = seq.request
             copies = req.params.n if not req.forked else 1
             for c in range(copies):
                 rows.append(int(qsl[i + 1]) - 1)
                 sample_seqs.append(seq)
                 generators.append(req.generators[c] if (copies > 1 and req.generators) else seq.generator)
+        spec_rows = []
+        for i in verifying:  # the last real token and every draft: k + 1 rows
+            spec_rows.append((order[i].seq, len(rows)))
+            rows.extend(range(int(qsl[i + 1]) - len(order[i].seq.spec_token_ids) - 1, int(qsl[i + 1])))
 
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            num_decodes=num_decodes, seq_lens_host=seq_lens, query_lens_host=q_lens,
-        )
         return StepBatch(
             scheduled=order,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
+            input_ids=input_ids,
+            positions=positions,
             meta=meta,
-            logits_indices=torch.tensor(rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
             sample_seqs=sample_seqs,
             sample_generators=generators,
             sample_row0=sample_row0,
             prompt_rows=prompt_rows,
+            spec_rows=spec_rows,
         )
+
+    @torch.inference_mode()
+    def last_logits(self, feeds: list[tuple[list[int], int, list[int]]], sample: bool = True) -> torch.Tensor:
+        """Run feeds (any order) -> float32 logits [S, V] at each feed's last token, in feed order ([0, V] when
+        not sample: the forward only writes KV)."""
+        order = sorted(range(len(feeds)), key=lambda i: len(feeds[i][0]) != 1)
+        input_ids, positions, meta, qsl = self.flatten([feeds[i] for i in order])
+        rows = torch.from_numpy(qsl[1:] - 1).to(self.device) if sample else torch.empty(0, dtype=torch.int64,
+                                                                                          device=self.device)
+        self.attn.begin_step(meta)
+        logits = self.model(input_ids, positions, self.attn, rows)
+        if not sample:
+            return logits
+        out = torch.empty_like(logits)
+        out[torch.tensor(order, device=logits.device)] = logits
+        return out
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, blocks_to_copy: list[tuple[int, int]]) -> torch.Tensor:

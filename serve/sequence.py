@@ -44,7 +44,13 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash of each full block of token_ids, filled lazily
         self.num_cached_blocks = 0  # leading blocks of block_table already offered to the prefix cache
-        self.spec_token_ids: list[int] = []  # draft tokens to verify next step (speculative decoding)
+        # speculative decoding (serve/speculative.py)
+        self.spec_token_ids: list[int] = []  # draft tokens to verify in this step, after token_ids
+        self.spec_probs = None  # float32 [k, V]: the draft model's distribution per draft (None: deterministic)
+        self.draft_computed = 0  # tokens whose KV the draft model holds (same block table, its own pool)
+        self.spec_drafted = 0  # draft tokens proposed for this sequence so far
+        self.spec_accepted = 0  # of which accepted
+        self.spec_off = False  # switched off for this sequence: acceptance was poor
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         # output state (text is the detokenized output, already cut at a stop string when finished)
@@ -77,6 +83,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_blocks = 0
         self.spec_token_ids = []
+        self.spec_probs = None
+        self.draft_computed = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

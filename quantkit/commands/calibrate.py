@@ -38,6 +38,7 @@ def register(app: typer.Typer) -> None:
         act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="GPTQ: columns by descending Hessian diagonal"),
         static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="GPTQ act-order with groups fit up front (g_idx stays k // g)"),
         damp: Optional[float] = typer.Option(None, help="GPTQ dampening, fraction of mean(diag H) (default 0.01)"),
+        group_aware: Optional[bool] = typer.Option(None, "--group-aware/--no-group-aware", help="GPTQ without act-order: columns by descending Hessian diagonal inside each group, groups by their largest (default on; nothing changes on disk)"),
         layout: Optional[str] = typer.Option(None, "--format", help="gptq | gptq_v2 | awq | compressed-tensors (default: gptq when sym else gptq_v2; awq for 4-bit AWQ)"),
         data: Optional[str] = typer.Option(None, help="calibration file (jsonl/txt/parquet/datasets folder; default: wikitext-2 valid of the shared data)"),
         num_samples: Optional[int] = typer.Option(None, "--num-samples", help="calibration samples N (default 128)"),
@@ -69,7 +70,7 @@ def register(app: typer.Typer) -> None:
         console = Console(stderr=True, soft_wrap=True)  # long paths stay on one line
         rec = load_recipe(recipe) if recipe is not None else None
         flags = dict(model=model, method=method, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
-                     static_groups=static_groups, damp=damp, format=layout, data=data, num_samples=num_samples,
+                     static_groups=static_groups, damp=damp, group_aware=group_aware, format=layout, data=data, num_samples=num_samples,
                      seq_len=seq_len, data_mode=data_mode, seed=seed, batch_size=batch_size, compute_dtype=compute_dtype)
         source = flags["model"] or (rec.calib.get("model") if rec else None)
         folder, name = resolve(source)

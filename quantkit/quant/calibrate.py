@@ -115,7 +115,7 @@ def make_method(cfg: CalibConfig, model_type: str):
     if cfg.method == "rtn":
         return RTN(cfg.scheme)
     if cfg.method == "gptq":
-        return GPTQ(cfg.scheme, cfg.damp, cfg.block_size)
+        return GPTQ(cfg.scheme, cfg.damp, cfg.block_size, cfg.group_aware)
     return AWQ(cfg.scheme, arch_spec(model_type))
 
 

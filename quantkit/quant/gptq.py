@@ -8,7 +8,10 @@ Per Linear W [N, K] with calibration inputs X [T, K]:
   for each column i in processing order (blocks of B columns, updates to later blocks applied lazily):
       q_i = quant(w_i);  err = (w_i - q_i) / U[i, i];  w_{i+1:} -= err * U[i, i+1:]
 Act-order processes columns by descending diag(H); groups are formed in processing order (g_idx non-monotonic)
-unless static groups fit every group's qparams up front on the original column order.
+unless static groups fit every group's qparams up front on the original column order. Without act-order,
+group-aware reordering (Gafni et al. 2025, "Dual Precision Quantization", GAR) processes the groups by their
+largest diag(H) and each group's columns by descending diag(H): every group stays contiguous in processing
+order, so groups are the original k // g (no g_idx) and their qparams are still fit on updated columns.
 """
 
 from __future__ import annotations
@@ -89,9 +92,18 @@ def inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[Optional[torch.Tenso
     return None, None
 
 
+def group_aware_order(diag: torch.Tensor, g: int) -> torch.Tensor:
+    """diag [K] of H -> permutation [K]: groups of g columns by descending largest diag, each group's columns by
+    descending diag (ties keep the original order)."""
+    k = diag.numel()
+    inside = torch.argsort(diag.view(k // g, g), dim=1, descending=True, stable=True)  # [G, g] local order
+    groups = torch.argsort(diag.view(k // g, g).amax(dim=1), descending=True, stable=True)  # [G]
+    return (inside[groups] + groups[:, None] * g).reshape(k)
+
+
 def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, damp: float = 0.01,
-                  block_size: int = 128, layer: str = "") -> tuple[QTensor, GPTQStats]:
-    """weight [N, K], h [K, K] (from `hessian`) -> (QTensor, GPTQStats)."""
+                  block_size: int = 128, layer: str = "", group_aware: bool = False) -> tuple[QTensor, GPTQStats]:
+    """weight [N, K], h [K, K] (from `hessian`) -> (QTensor, GPTQStats). group_aware: GAR when not act-order."""
     n, k = weight.shape
     g = scheme.group_of(k)
     scheme.groups(k, layer)  # validates that g divides K
@@ -110,12 +122,17 @@ def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, da
         scales = torch.empty(n, k // g, dtype=torch.float16, device=w.device)
         zeros = torch.empty(n, k // g, dtype=torch.uint8, device=w.device)
 
-    perm = torch.argsort(h.diagonal(), descending=True, stable=True) if scheme.act_order else None
+    perm = None
+    gar = group_aware and not scheme.act_order and g < k
+    if scheme.act_order:
+        perm = torch.argsort(h.diagonal(), descending=True, stable=True)
+    elif gar:
+        perm = group_aware_order(h.diagonal(), g)
     if perm is not None:
         w, h = w[:, perm], h[perm][:, perm]
-    # group of each column in processing order: static groups keep the original k // g
+    # group of each column in processing order: static groups and GAR keep the original k // g
     order = perm if perm is not None else torch.arange(k, device=w.device)
-    group_of_step = (order // g) if up_front else (torch.arange(k, device=w.device) // g)
+    group_of_step = (order // g) if up_front or gar else (torch.arange(k, device=w.device) // g)
 
     u, damp_used = inverse_cholesky(h, damp)
     if u is None:
@@ -192,8 +209,8 @@ class GPTQ:
     needs = ("hessian",)
     true_sequential = True
 
-    def __init__(self, scheme: QuantScheme, damp: float = 0.01, block_size: int = 128):
-        self.scheme, self.damp, self.block_size = scheme, damp, block_size
+    def __init__(self, scheme: QuantScheme, damp: float = 0.01, block_size: int = 128, group_aware: bool = True):
+        self.scheme, self.damp, self.block_size, self.group_aware = scheme, damp, block_size, group_aware
 
     def quantize_stage(self, block, names, stats, prefix) -> Iterator[tuple[str, QTensor, dict]]:
         hessians: dict[int, torch.Tensor] = {}  # id(stats) -> H: q, k and v share one input
@@ -202,5 +219,6 @@ class GPTQ:
             if id(st) not in hessians:
                 hessians[id(st)] = st.hessian()
             weight = block.get_submodule(name).weight
-            qt, s = gptq_quantize(weight, hessians[id(st)], self.scheme, self.damp, self.block_size, prefix + name)
+            qt, s = gptq_quantize(weight, hessians[id(st)], self.scheme, self.damp, self.block_size, prefix + name,
+                                  self.group_aware)
             yield name, qt, dataclasses.asdict(s)
