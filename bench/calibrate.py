@@ -28,6 +28,7 @@ RUNS = {
     "rtn-w4g64-asym": ["--method", "rtn", "--bits", "4", "--group-size", "64", "--asym"],
     "rtn-w8g64": ["--method", "rtn", "--bits", "8", "--group-size", "64", "--sym"],
     "gptq-w4g64": ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym"],
+    "gptq-w4g64-nogar": ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym", "--no-group-aware"],
     "gptq-w4g64-fp32": ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym", "--compute-dtype", "float32"],
     "gptq-w4g64-act": ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym", "--act-order"],
     "gptq-w4g64-act-static": ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym", "--act-order",

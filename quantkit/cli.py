@@ -24,13 +24,7 @@ _typer_app = typer.Typer(
 )
 
 for _name in COMMAND_MODULES:
-    try:
-        _module = importlib.import_module(f"quantkit.commands.{_name}")
-    except ModuleNotFoundError as e:  # a command whose module has not landed yet
-        if e.name != f"quantkit.commands.{_name}":
-            raise
-        continue
-    _module.register(_typer_app)
+    importlib.import_module(f"quantkit.commands.{_name}").register(_typer_app)
 
 
 def app() -> None:

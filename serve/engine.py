@@ -312,11 +312,13 @@ class LLMEngine:
         s = self.stats()
         span = now - last_time
         hit_rate = s["prefix_cache_hits"] / s["prefix_cache_queries"] if s["prefix_cache_queries"] else 0.0
+        drafted = s["spec_decode_num_draft_tokens"]
+        spec = f", draft acceptance {100 * s['spec_decode_num_accepted_tokens'] / drafted:.1f}%" if drafted else ""
         log.info(
             "engine: %.1f gen tok/s, %.1f computed tok/s, running %d, waiting %d, KV usage %.1f%%, "
-            "prefix hit rate %.1f%%, preemptions %d",
+            "prefix hit rate %.1f%%, preemptions %d%s",
             (self.generation_tokens - last_gen) / span, (self.computed_tokens - last_computed) / span,
             s["num_requests_running"], s["num_requests_waiting"], 100 * s["kv_cache_usage_perc"], 100 * hit_rate,
-            s["num_preemptions"],
+            s["num_preemptions"], spec,
         )
         self._last_log = (now, self.generation_tokens, self.computed_tokens)

@@ -32,6 +32,15 @@ def serve(
                                                help="Reuse KV blocks of shared prompt prefixes"),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16"),
     seed: int = typer.Option(0, help="Seed of the engine generator (requests may bring their own)"),
+    speculative_model: Optional[str] = typer.Option(None, help="Draft model for speculative decoding (same "
+                                                               "tokenizer), e.g. the W4 checkpoint of MODEL"),
+    speculative_method: Optional[str] = typer.Option(None, help="ngram (prompt lookup, no model) or draft "
+                                                                "(implied by --speculative-model)"),
+    num_speculative_tokens: int = typer.Option(4, help="Draft tokens proposed per step"),
+    speculative_disable_by_batch_size: int = typer.Option(4, help="No speculation in a step with more decoding "
+                                                                  "sequences than this"),
+    ngram_prompt_lookup_max: int = typer.Option(4, help="Longest n-gram matched by --speculative-method ngram"),
+    ngram_prompt_lookup_min: int = typer.Option(2, help="Shortest n-gram matched by --speculative-method ngram"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
 ) -> None:
     """Serve a model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics, ...)."""
@@ -41,7 +50,10 @@ def serve(
     engine_config = EngineConfig(
         block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-        enable_prefix_caching=enable_prefix_caching, dtype=dtype, seed=seed,
+        enable_prefix_caching=enable_prefix_caching, dtype=dtype, seed=seed, speculative_model=speculative_model,
+        speculative_method=speculative_method, num_speculative_tokens=num_speculative_tokens,
+        speculative_disable_by_batch_size=speculative_disable_by_batch_size,
+        ngram_prompt_lookup_max=ngram_prompt_lookup_max, ngram_prompt_lookup_min=ngram_prompt_lookup_min,
     )
     options = ServerOptions(
         model=model, host=host, port=port, served_model_name=served_model_name,

@@ -1,0 +1,151 @@
+"""quantkit serve against the naive server and the peers, in one run, on the same prompts and client.
+
+    python bench/serve_vs_naive.py [--servers quantkit,quantkit-w8,quantkit-w4,naive,vllm,llamacpp]
+                                   [--w8 DIR] [--w4 DIR] [--num-prompts 64] [--max-tokens 128]
+                                   [--naive-prompts 64] [--json serve_vs_naive.json]
+
+Each server is started alone (nothing else running), warmed up with one request, then sent 64 real ShareGPT
+chat prompts at once (streaming, greedy, ignore_eos, 128 output tokens each) by quantkit's benchmark client;
+output tokens/s, mean TTFT and mean TPOT come from the same client for every server, then the server is stopped.
+  quantkit        `quantkit serve` of the bundled model (bf16 on CPU)
+  quantkit-w8/w4  `quantkit serve` of a W8 / W4 checkpoint (--w8 / --w4; default: made with RTN g64 first)
+  naive           bench/naive_server.py: transformers generate, one request at a time (fp32, as PEERS.md)
+  vllm            vLLM's CPU build from --vllm-python (PEERS.md's throwaway venv), bf16, the bundled FP16 folder
+  llamacpp        llama-cpp-python's server from --llamacpp-python on the bundled GGUF (one request at a time)
+--naive-prompts: the naive server serialises requests, so its throughput does not depend on how many are queued;
+a smaller number measures the same rate sooner (the table says how many it got).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cold_start import free_port, quantkit_command  # noqa: E402
+
+
+def wait_ready(proc: subprocess.Popen, base: str, deadline_s: float) -> None:
+    start = time.perf_counter()
+    while time.perf_counter() - start < deadline_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(base + "/v1/models" if "llama" in " ".join(proc.args) else base + "/health",
+                                        timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{base} not ready within {deadline_s} s")
+
+
+def server_command(name: str, args, port: int) -> tuple[list[str], dict]:
+    from quantkit.models.loader import bundled_gguf, bundled_model_dir
+
+    env = dict(os.environ)
+    if name.startswith("quantkit"):
+        model = {"quantkit": [], "quantkit-w8": [str(args.w8)], "quantkit-w4": [str(args.w4)]}[name]
+        return [*quantkit_command(), "serve", *model, "--port", str(port), "--log-level", "warning"], env
+    if name == "naive":
+        return [sys.executable, str(Path(__file__).with_name("naive_server.py")), str(bundled_model_dir()),
+                "--port", str(port), "--dtype", "float32"], env
+    if name == "vllm":
+        env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1")
+        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(bundled_model_dir()),
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
+                "--served-model-name", "bench"], env
+    if name == "llamacpp":
+        return [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(bundled_gguf()), "--host", "127.0.0.1",
+                "--port", str(port), "--n_threads", "2", "--n_ctx", "2048", "--model_alias", "bench"], env
+    raise SystemExit(f"unknown server {name}")
+
+
+def measure(name: str, args, prompts, tokenizer) -> dict:
+    from quantkit.benchmark.client import run_benchmark
+    from quantkit.benchmark.metrics import compute_metrics
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd, env = server_command(name, args, port)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(proc, base, args.deadline)
+        model = "bench" if name in ("vllm", "llamacpp") else json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"]
+        run_benchmark(base, prompts[:1], tokenizer, model, ignore_eos=True)  # warm-up
+        count = args.naive_prompts if name in ("naive", "llamacpp") else len(prompts)
+        load_before = os.getloadavg()[0]
+        run = run_benchmark(base, prompts[:count], tokenizer, model, ignore_eos=True)
+        m = compute_metrics(run)
+        return {"server": name, "requests": count, "completed": m["completed"],
+                "output_tok_s": m["output_throughput"], "mean_ttft_ms": m["mean_ttft_ms"],
+                "mean_tpot_ms": m["mean_tpot_ms"], "duration_s": run.duration_s,
+                "load_avg": [load_before, os.getloadavg()[0]]}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def rtn_checkpoint(bits: int) -> Path:
+    out = Path(tempfile.mkdtemp(prefix="quantkit-bench-serve-")) / f"rtn-w{bits}g64"
+    subprocess.run([*quantkit_command(), "calibrate", "--method", "rtn", "--bits", str(bits), "--group-size", "64",
+                    "--out", str(out), "--no-resume"], check=True, capture_output=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", default="quantkit,quantkit-w8,quantkit-w4,naive")
+    ap.add_argument("--w8", type=Path)
+    ap.add_argument("--w4", type=Path)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--naive-prompts", type=int, default=64)
+    ap.add_argument("--vllm-python", default="/tmp/venv-vllm/bin/python")
+    ap.add_argument("--llamacpp-python", default="/tmp/venv-llamacpp/bin/python")
+    ap.add_argument("--deadline", type=float, default=600.0, help="seconds a server may take to start")
+    ap.add_argument("--json", type=Path, default=Path("serve_vs_naive.json"))
+    args = ap.parse_args()
+
+    from quantkit.benchmark.datasets import load_prompts
+    from quantkit.models.loader import load_tokenizer
+
+    servers = args.servers.split(",")
+    if "quantkit-w8" in servers and args.w8 is None:
+        args.w8 = rtn_checkpoint(8)
+    if "quantkit-w4" in servers and args.w4 is None:
+        args.w4 = rtn_checkpoint(4)
+    tokenizer = load_tokenizer(None)
+    prompts = load_prompts("sharegpt", args.num_prompts, tokenizer, max_tokens=args.max_tokens)
+    rows = []
+    for name in servers:
+        row = measure(name, args, prompts, tokenizer)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    ours = next((r["output_tok_s"] for r in rows if r["server"] == "quantkit"), None)
+    lines = ["| server | requests | output tok/s | mean TTFT (ms) | mean TPOT (ms) | quantkit (bf16) / this |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{ours / r['output_tok_s']:.2f}x" if ours and r["output_tok_s"] else "-"
+        lines.append(f"| {r['server']} | {r['completed']}/{r['requests']} | {r['output_tok_s']:.1f} | "
+                     f"{r['mean_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} | {ratio} |")
+    print("\n".join(lines))
+    args.json.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rows": rows},
+                                    indent=1))
+
+
+if __name__ == "__main__":
+    main()
