@@ -66,7 +66,8 @@ def server_command(name: str, args, port: int) -> tuple[list[str], dict]:
                 "--served-model-name", "bench"], env
     if name == "llamacpp":
         return [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(bundled_gguf()), "--host", "127.0.0.1",
-                "--port", str(port), "--n_threads", "2", "--n_ctx", "2048", "--model_alias", "bench"], env
+                "--port", str(port), "--n_threads", "2", "--n_ctx", "2048", "--model_alias", "bench",
+                "--interrupt_requests", "False"], env  # (else each new request cancels the running one)
     raise SystemExit(f"unknown server {name}")
 
 
@@ -80,7 +81,8 @@ def measure(name: str, args, prompts, tokenizer) -> dict:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(proc, base, args.deadline)
-        model = "bench" if name in ("vllm", "llamacpp") else json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"]
+        model = (json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"] if name.startswith("quantkit")
+                 else "bench")
         run_benchmark(base, prompts[:1], tokenizer, model, ignore_eos=True)  # warm-up
         count = args.naive_prompts if name in ("naive", "llamacpp") else len(prompts)
         load_before = os.getloadavg()[0]

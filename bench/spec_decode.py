@@ -4,8 +4,9 @@ no speculation, side by side in one process (runs interleaved prompt by prompt),
     python bench/spec_decode.py [--draft DIR] [--prompts 6] [--max-tokens 128] [--k 4] [--batches 1,2,4,8]
                                 [--workloads sonnet,chat] [--json spec_decode.json]
 
-Workloads: "sonnet" asks the model to copy 14 lines of ../shared/data/sonnet/sonnet.txt (predictable text: the
-answer is in the prompt); "chat" uses real ShareGPT first turns (unpredictable). Greedy, bf16 (the CPU serving
+Workloads: "sonnet" is a sonnet of ../shared/data/sonnet/sonnet.txt followed by its first two lines again, as
+plain text (predictable: the continuation repeats what the prompt holds); "chat" uses real ShareGPT first turns
+under the chat template (unpredictable). Greedy, bf16 (the CPU serving
 dtype), ignore_eos off. --draft: a W4 checkpoint of the bundled model (default: `quantkit calibrate --method rtn`
 into a temporary folder first). Batch rows force speculation on (no switch-off) to find the batch size where it
 stops paying; that is where `--speculative-disable-by-batch-size` should sit.
@@ -27,12 +28,14 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def sonnet_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Predictable text: a sonnet of ../shared/data/sonnet, then its first two lines again (plain text, no chat
+    template): the natural continuation repeats the rest of the sonnet, which is in the prompt."""
     lines = [line for line in (SHARED / "sonnet" / "sonnet.txt").read_text().splitlines() if line.strip()]
     prompts = []
     for i in range(count):
-        passage = "\n".join(lines[14 * i: 14 * i + 14])
-        msg = f"Copy the following sonnet exactly, line by line, and write nothing else.\n\n{passage}"
-        prompts.append(chat_ids(tokenizer, msg))
+        sonnet = lines[14 * i: 14 * i + 14]
+        text = "\n".join(sonnet) + "\n\n" + "\n".join(sonnet[:2]) + "\n"
+        prompts.append(tokenizer.encode(text))
     return prompts
 
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from quantkit.errors import QuantkitError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Largest batch of decoding sequences that still speculates, per method, measured by bench/spec_decode.py on the
+# 2-core CPU (BENCHMARKS.md): n-gram still 1.06x at 8; the W4 self-draft of a 135M model pays only at 1.
+SPEC_MAX_BATCH = {"ngram": 8, "draft": 1}
 
 
 @dataclass
@@ -43,7 +46,7 @@ class EngineConfig:
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
-    speculative_disable_by_batch_size: int = 4
+    speculative_disable_by_batch_size: int | None = None  # None: measured default of the method (SPEC_MAX_BATCH)
     speculative_min_acceptance: float = 0.2
     ngram_prompt_lookup_max: int = 4
     ngram_prompt_lookup_min: int = 2
@@ -51,6 +54,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.speculative_method is None and self.speculative_model is not None:
             self.speculative_method = "draft"
+        if self.speculative_disable_by_batch_size is None:
+            self.speculative_disable_by_batch_size = SPEC_MAX_BATCH.get(self.speculative_method, 1)
         checks = [
             ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              "a power of two such as 16"),

@@ -145,6 +145,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("prompt_tokens", "Prefill tokens processed.", base)
         self.generation_tokens = Counter("generation_tokens", "Generation tokens processed.", base)
         self.request_success = Counter("request_success", "Finished requests by finish reason.", base)
+        self.spec_accepted_per_pos = Counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Speculative decoding: accepted draft tokens by draft position.", base)
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token in seconds.", base, TTFT_BUCKETS)
         self.itl = Histogram("inter_token_latency_seconds", "Inter-token latency in seconds.", base, ITL_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.", base,
@@ -154,7 +156,7 @@ class ServerMetrics:
 
     def families(self) -> list[_Family]:
         return [*self.engine.values(), self.model_info, self.prompt_tokens, self.generation_tokens,
-                self.request_success, self.ttft, self.itl, self.e2e, self.queue]
+                self.request_success, self.spec_accepted_per_pos, self.ttft, self.itl, self.e2e, self.queue]
 
     def update_engine(self, stats: dict) -> None:
         for key, family in self.engine.items():
@@ -165,6 +167,8 @@ class ServerMetrics:
         finished = stats.get("request_success", {})
         for reason in FINISH_REASONS:
             self.request_success.set_total(finished.get(reason, 0), finished_reason=reason)
+        for position, count in stats.get("spec_decode_accepted_per_position", {}).items():
+            self.spec_accepted_per_pos.set_total(count, position=str(position))
 
     def render(self, engine_stats: dict) -> str:
         self.update_engine(engine_stats)

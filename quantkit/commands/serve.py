@@ -37,8 +37,9 @@ def serve(
     speculative_method: Optional[str] = typer.Option(None, help="ngram (prompt lookup, no model) or draft "
                                                                 "(implied by --speculative-model)"),
     num_speculative_tokens: int = typer.Option(4, help="Draft tokens proposed per step"),
-    speculative_disable_by_batch_size: int = typer.Option(4, help="No speculation in a step with more decoding "
-                                                                  "sequences than this"),
+    speculative_disable_by_batch_size: Optional[int] = typer.Option(
+        None, help="No speculation in a step with more decoding sequences than this (default: measured per "
+                   "method, 8 for ngram, 1 for a draft model)"),
     ngram_prompt_lookup_max: int = typer.Option(4, help="Longest n-gram matched by --speculative-method ngram"),
     ngram_prompt_lookup_min: int = typer.Option(2, help="Shortest n-gram matched by --speculative-method ngram"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
