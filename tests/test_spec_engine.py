@@ -217,3 +217,32 @@ def test_bundled_greedy_with_speculation_matches_without(bundled, bundled_w4_dra
     stats = crowded.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_used_blocks"] == 0
     assert one.stats()["spec_decode_num_accepted_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_http_server_with_ngram_speculation_streams_the_same_text_and_exports_metrics(bundled):
+    """`quantkit serve --speculative-method ngram` behind the real HTTP API and the official openai client: the
+    streamed text of a repetitive prompt equals the non-streamed one and the engine without speculation (fp32),
+    and /metrics counts drafts, accepted tokens and acceptance by position."""
+    import httpx
+    from openai import OpenAI
+
+    from quantkit.serve.llm import LLM
+    from tests.api_live import live_server, serving_app
+
+    lines = "\n".join(f"{i}. the quick brown fox jumps over the lazy dog" for i in range(1, 9))
+    prompt = f"{lines}\n9."
+    expected = LLM(bundled, kv_cache_memory=64 << 20, max_model_len=512).generate(prompt, SamplingParams(temperature=0.0, max_tokens=40))
+    with serving_app(bundled, "spec", kv_cache_memory=64 << 20, max_model_len=512, speculative_method="ngram") as app:
+        with live_server(app) as url:
+            client = OpenAI(base_url=url + "/v1", api_key="none")
+            whole = client.completions.create(model="spec", prompt=prompt, max_tokens=40, temperature=0)
+            streamed = "".join(c.choices[0].text for c in client.completions.create(
+                model="spec", prompt=prompt, max_tokens=40, temperature=0, stream=True) if c.choices)
+            metrics = httpx.get(url + "/metrics").text
+    assert whole.choices[0].text == streamed == expected[0].outputs[0].text
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("quantkit:spec_decode") and "position=\"0\"" not in line}
+    assert counts["quantkit:spec_decode_num_accepted_tokens_total"] > 0
+    assert counts["quantkit:spec_decode_num_draft_tokens_total"] >= counts["quantkit:spec_decode_num_accepted_tokens_total"]
+    assert 'quantkit:spec_decode_num_accepted_tokens_per_pos_total{model_name="spec",position="0"}' in metrics

@@ -180,12 +180,20 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._last = None  # (positions, dtype, inv_freq, (cos, sin)) of the latest call
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [...] -> cos, sin [..., 1, D] in `dtype` (angles computed in fp32)."""
+        """positions [...] -> cos, sin [..., 1, D] in `dtype` (angles computed in fp32). Every layer of one forward
+        passes the same positions tensor: the result is computed once and reused (the cache holds that tensor, so
+        its identity cannot be recycled for another)."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype and last[2] is self.inv_freq:
+            return last[3]
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [..., D/2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)  # [..., 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        result = emb.cos().to(dtype), emb.sin().to(dtype)
+        self._last = (positions, dtype, self.inv_freq, result)
+        return result
 
 
 class LlamaModel(nn.Module):
