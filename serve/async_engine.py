@@ -21,6 +21,11 @@ log = logging.getLogger("quantkit.serve")
 _END = object()  # stream sentinel: no more outputs (finished or aborted)
 
 
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped because a step raised; the server should report unhealthy."""
 
@@ -136,6 +141,20 @@ class AsyncLLMEngine:
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             log.debug("dropping an output for a closed event loop")
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs: one wake-up per event loop (not one per request), finished streams closed."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+                if stream is not None:
+                    batches.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+                log.debug("dropping outputs for a closed event loop")
+
     def _apply_ops(self) -> None:
         with self._lock:
             ops, self._ops = self._ops, []
@@ -158,14 +177,7 @@ class AsyncLLMEngine:
                     continue
                 outputs = engine.step()
                 self._stats = engine.stats()
-                for out in outputs:
-                    if out.finished:
-                        self._close(out.request_id, out)
-                    else:
-                        with self._lock:
-                            stream = self._streams.get(out.request_id)
-                        if stream is not None:
-                            self._deliver(stream, out)
+                self._deliver_step(outputs)
         except BaseException as e:  # the engine is dead: every waiting caller gets the error
             self.errored = e
             log.exception("engine step failed; the engine is stopped")
