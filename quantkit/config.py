@@ -184,5 +184,6 @@ class CalibConfig:
         return {
             "method": self.method, "scheme": self.scheme.__dict__, "data_mode": self.data_mode,
             "num_samples": self.num_samples, "seq_len": self.seq_len, "seed": self.seed, "damp": self.damp,
-            "group_aware": self.group_aware, "block_size": self.block_size, "batch_size": self.batch_size, "compute_dtype": self.compute_dtype,
+            "group_aware": self.group_aware, "block_size": self.block_size, "batch_size": self.batch_size,
+            "compute_dtype": self.compute_dtype,
         }

@@ -40,13 +40,18 @@ class GPTQStats:
     dead_columns: int  # input columns never activated by the calibration data (diag H == 0)
 
 
+def hessian_block(k: int) -> int:
+    """Column block of the triangular accumulation: _HBLOCK for wide inputs, else all K at once."""
+    return _HBLOCK if k >= 2 * _HBLOCK else k
+
+
 def accumulate_hessian(h_sum: torch.Tensor, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> int:
     """h_sum [K, K] fp32 += X^T X over the tokens of x [..., K] (any float dtype) where mask [...] (bool) is True,
     upper block triangle only for wide inputs (symmetric: `finish_hessian` mirrors it, a third fewer FLOPs at
     K = 3 * 512). Returns the number of tokens added."""
     x = x.reshape(-1, x.shape[-1]) if mask is None else x[mask]
     k = x.shape[-1]
-    step = _HBLOCK if k >= 2 * _HBLOCK else k
+    step = hessian_block(k)
     for start in range(0, x.shape[0], _CHUNK):
         xc = x[start:start + _CHUNK].float()  # [t, K]
         for i in range(0, k, step):
@@ -57,7 +62,7 @@ def accumulate_hessian(h_sum: torch.Tensor, x: torch.Tensor, mask: Optional[torc
 def finish_hessian(h_sum: torch.Tensor, tokens: int) -> torch.Tensor:
     """The accumulated upper block triangle -> the full symmetric H = X^T X / T."""
     k = h_sum.shape[0]
-    step = _HBLOCK if k >= 2 * _HBLOCK else k
+    step = hessian_block(k)
     upper = torch.ones(k // step + 1, k // step + 1, dtype=torch.bool, device=h_sum.device).triu()
     blocks = upper.repeat_interleave(step, 0)[:k].repeat_interleave(step, 1)[:, :k]  # [K, K] True on the blocks
     h = torch.where(blocks, h_sum, h_sum.T)
