@@ -86,6 +86,12 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] -> the distribution each row samples from: temperature, then top-k / top-p / min-p."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    return filter_logits(logits / temps[:, None], params).softmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int], seed: int = 0):
         self.eos_token_ids = set(eos_token_ids)
@@ -145,9 +151,7 @@ class Sampler:
             tokens[index] = logits[index].max(dim=-1).indices
         rows = [i for i, g in enumerate(greedy) if not g]
         index = torch.tensor(rows, device=logits.device)
-        sub_params = [params[i] for i in rows]
-        temps = torch.tensor([p.temperature for p in sub_params], dtype=logits.dtype, device=logits.device)
-        probs = filter_logits(logits[index] / temps[:, None], sub_params).softmax(dim=-1)
+        probs = sampling_probs(logits[index], [params[i] for i in rows])
         noise = torch.empty(probs.shape, dtype=torch.float32)  # on CPU: the generators are CPU generators
         shared = []
         for j, i in enumerate(rows):

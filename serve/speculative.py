@@ -24,7 +24,7 @@ import torch
 
 from quantkit.serve.config import EngineConfig
 from quantkit.serve.model_runner import ModelRunner
-from quantkit.serve.sampler import filter_logits
+from quantkit.serve.sampler import sampling_probs
 from quantkit.serve.sequence import Sequence
 from quantkit.serve.spec_decode import ngram_propose, verify_greedy, verify_sampled
 
@@ -32,8 +32,13 @@ MIN_EVIDENCE = 16  # draft tokens of a sequence before its acceptance rate may s
 
 
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
-    """logits [R, V] -> the probabilities the sampler draws from for these params (temperature, top-k/p, min-p)."""
-    return filter_logits(logits / params.temperature, [params] * logits.shape[0]).softmax(dim=-1)
+    """logits [R, V], all rows under one request's params -> the distribution the sampler draws from."""
+    return sampling_probs(logits, [params] * logits.shape[0])
+
+
+def is_decoding(seq: Sequence) -> bool:
+    """The prompt is done and only the last token's KV is missing: the step computes one token (or drafts)."""
+    return seq.num_computed_tokens == seq.num_tokens - 1
 
 
 class NgramProposer:
@@ -62,11 +67,11 @@ class DraftModelProposer:
         ready = [(s, k) for s, k in zip(seqs, ks) if self.bm.allocate(s, 1 + k)]
         if not ready:
             return
-        self._catch_up([s for s, _ in ready])
-        seqs = [s for s, _ in ready]
-        drafts: list[list[int]] = [[] for _ in ready]
-        probs: list[list[torch.Tensor]] = [[] for _ in ready]
-        active = list(range(len(ready)))
+        seqs, ks = [s for s, _ in ready], [k for _, k in ready]
+        self._catch_up(seqs)
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
         feeds = [([s.token_ids[-1]], s.num_tokens - 1, s.block_table) for s in seqs]
         while active:
             logits = self.runner.last_logits(feeds)  # [len(active), V]
@@ -81,7 +86,7 @@ class DraftModelProposer:
                     token = int(torch.multinomial(q.cpu(), 1, generator=seq.generator or generator))
                     probs[i].append(q)
                 drafts[i].append(token)
-                if len(drafts[i]) < ready[i][1]:
+                if len(drafts[i]) < ks[i]:
                     still.append(i)
                     feeds.append(([token], seq.num_tokens + len(drafts[i]) - 1, seq.block_table))
             active = still
@@ -122,11 +127,10 @@ class Speculator:
     def eligible(self, seq: Sequence) -> bool:
         params = seq.request.params
         return (not seq.spec_off and seq.request.forked and not params.has_penalties
-                and seq.num_output_tokens >= params.min_tokens
-                and seq.num_computed_tokens == seq.num_tokens - 1)  # decoding, prompt done
+                and seq.num_output_tokens >= params.min_tokens and is_decoding(seq))
 
     def propose(self, running: list[Sequence]) -> None:
-        decoding = sum(1 for s in running if s.num_computed_tokens == s.num_tokens - 1)
+        decoding = sum(1 for s in running if is_decoding(s))
         if decoding > self.cfg.speculative_disable_by_batch_size:
             return
         seqs, ks = [], []
@@ -160,7 +164,8 @@ class Speculator:
         self.accepted_per_position.update(range(accepted))
         seq.spec_drafted += len(drafts)
         seq.spec_accepted += accepted
-        if seq.spec_drafted >= MIN_EVIDENCE and seq.spec_accepted < self.cfg.speculative_min_acceptance * seq.spec_drafted:
+        poor = seq.spec_accepted < self.cfg.speculative_min_acceptance * seq.spec_drafted
+        if seq.spec_drafted >= MIN_EVIDENCE and poor:
             seq.spec_off = True
         return emitted
 
