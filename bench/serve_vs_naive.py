@@ -33,41 +33,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cold_start import free_port, quantkit_command  # noqa: E402
 
 
-def wait_ready(proc: subprocess.Popen, base: str, deadline_s: float) -> None:
+def wait_ready(proc: subprocess.Popen, url: str, deadline_s: float) -> None:
     start = time.perf_counter()
     while time.perf_counter() - start < deadline_s:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(base + "/v1/models" if "llama" in " ".join(proc.args) else base + "/health",
-                                        timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"{base} not ready within {deadline_s} s")
+    raise RuntimeError(f"{url} not ready within {deadline_s} s")
 
 
-def server_command(name: str, args, port: int) -> tuple[list[str], dict]:
+def server_command(name: str, args, port: int) -> tuple[list[str], dict, str]:
+    """-> (command line, environment, the path that answers 200 once it is ready)."""
     from quantkit.models.loader import bundled_gguf, bundled_model_dir
 
     env = dict(os.environ)
     if name.startswith("quantkit"):
         model = {"quantkit": [], "quantkit-w8": [str(args.w8)], "quantkit-w4": [str(args.w4)]}[name]
-        return [*quantkit_command(), "serve", *model, "--port", str(port), "--log-level", "warning"], env
+        return [*quantkit_command(), "serve", *model, "--port", str(port), "--log-level", "warning"], env, "/health"
     if name == "naive":
         return [sys.executable, str(Path(__file__).with_name("naive_server.py")), str(bundled_model_dir()),
-                "--port", str(port), "--dtype", "float32"], env
+                "--port", str(port), "--dtype", "float32"], env, "/health"
     if name == "vllm":
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1")
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(bundled_model_dir()),
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
-                "--served-model-name", "bench"], env
+                "--served-model-name", "bench"], env, "/health"
     if name == "llamacpp":
         return [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(bundled_gguf()), "--host", "127.0.0.1",
                 "--port", str(port), "--n_threads", "2", "--n_ctx", "2048", "--model_alias", "bench",
-                "--interrupt_requests", "False"], env  # (else each new request cancels the running one)
+                "--interrupt_requests", "False"], env, "/v1/models"  # (else each request cancels the running one)
     raise SystemExit(f"unknown server {name}")
 
 
@@ -77,10 +77,10 @@ def measure(name: str, args, prompts, tokenizer) -> dict:
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd, env = server_command(name, args, port)
+    cmd, env, ready = server_command(name, args, port)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_ready(proc, base, args.deadline)
+        wait_ready(proc, base + ready, args.deadline)
         model = (json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"] if name.startswith("quantkit")
                  else "bench")
         run_benchmark(base, prompts[:1], tokenizer, model, ignore_eos=True)  # warm-up
