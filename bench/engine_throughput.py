@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 import argparse  # noqa: E402
 import json  # noqa: E402

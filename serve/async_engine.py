@@ -1,8 +1,12 @@
-"""AsyncLLMEngine: the LLMEngine stepped by one background thread, fed and read from asyncio.
+"""What the HTTP API drives: an engine behind asyncio streams, in this process or in its own.
 
-Calls from any thread (add, abort, shutdown) are queued and applied by the engine thread between steps, so an
-abort frees its blocks before the next step runs. Each request streams its cumulative RequestOutputs into an
-asyncio.Queue of the caller's event loop.
+EngineFrontend keeps the per-request streams: `generate` yields cumulative RequestOutputs from an asyncio.Queue of
+the caller's event loop; a step's outputs reach each loop in one wake-up. Two back ends:
+  AsyncLLMEngine: the LLMEngine stepped by a background thread of this process. Calls from any thread (add,
+    abort, shutdown) are queued and applied by the engine thread between steps, so an abort frees its blocks
+    before the next step runs. Simple and embeddable, but the engine shares the GIL with the event loop.
+  EngineProcess (engine_process.py): the LLMEngine in a child process, fed over a socket; `quantkit serve`
+    uses it, so tokenising, SSE and the engine step run on different cores and never wait for each other.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 import threading
 from typing import AsyncIterator, Callable
 
-from quantkit.serve.engine import LLMEngine
+from quantkit.serve.engine import LLMEngine, check_request
 from quantkit.serve.outputs import RequestOutput
 from quantkit.serve.sampling_params import SamplingParams
 
@@ -27,41 +31,37 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped because a step raised; the server should report unhealthy."""
+    """The engine stopped because a step raised (or its process died); the server should report unhealthy."""
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+class EngineFrontend:
+    """The streams of in-flight requests. Subclasses deliver requests to an engine: _send_add, _send_abort,
+    _alive, shutdown; and hand back its outputs through _deliver_step / _close / _fail_all."""
+
+    def __init__(self, vocab_size: int, max_model_len: int, stats: dict):
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self._lock = threading.Lock()
-        self._ops: list[Callable[[], None]] = []  # applied by the engine thread, in order
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
         self._stopping = False
-        self._abort_on_stop = True
         self.errored: BaseException | None = None
-        self._stats = engine.stats()
-        self._thread = threading.Thread(target=self._run, name="quantkit-engine", daemon=True)
-        self._thread.start()
+        self._stats = stats
 
-    @classmethod
-    def from_model(cls, model=None, **engine_kwargs) -> "AsyncLLMEngine":
-        """Load a model (None = the bundled default) and start its engine; engine_kwargs are EngineConfig fields."""
-        from quantkit.serve.llm import build_engine
+    def _send_add(self, request_id: str, ids: list[int], params: SamplingParams, prompt: str | None) -> None:
+        raise NotImplementedError
 
-        return cls(build_engine(model, **engine_kwargs))
+    def _send_abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _alive(self) -> bool:
+        raise NotImplementedError
 
     # ---- state
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.errored is None and not self._stopping
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._alive() and self.errored is None and not self._stopping
 
     def stats(self) -> dict:
-        """The latest snapshot of LLMEngine.stats() (refreshed by the engine thread after every step)."""
+        """The latest snapshot of LLMEngine.stats() (refreshed after every step)."""
         return self._stats
 
     # ---- requests
@@ -75,14 +75,14 @@ class AsyncLLMEngine:
         if self._stopping:
             raise EngineDeadError("the engine is shutting down")
         ids = list(prompt_token_ids)
-        self.engine.check_request(ids, params)
+        check_request(ids, params, self.vocab_size, self.max_model_len)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, queue)
-        self._submit(lambda: self._add_now(request_id, ids, params, prompt))
+        self._send_add(request_id, ids, params, prompt)
         finished = False
         try:
             while True:
@@ -102,31 +102,9 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op when unknown or finished); its stream ends and its blocks are freed before the
         next step."""
-        self._submit(lambda: self._abort_now(request_id))
+        self._send_abort(request_id)
 
-    def shutdown(self, abort_inflight: bool = True, timeout: float | None = None) -> None:
-        """Stop the engine thread: abort in-flight requests, or let them finish first. Blocks until it exits."""
-        self._abort_on_stop = abort_inflight
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
-
-    # ---- the engine thread
-    def _submit(self, op: Callable[[], None]) -> None:
-        with self._lock:
-            self._ops.append(op)
-        self._wake.set()
-
-    def _add_now(self, request_id: str, ids: list[int], params: SamplingParams, prompt: str | None) -> None:
-        try:
-            self.engine.add_request(request_id, ids, params, prompt=prompt)
-        except ValueError as e:  # e.g. the id is still in use by an unfinished request
-            self._close(request_id, e)
-
-    def _abort_now(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
-        self._close(request_id, _END)
-
+    # ---- delivery (from the thread that reads the engine)
     def _close(self, request_id: str, item) -> None:
         with self._lock:
             stream = self._streams.pop(request_id, None)
@@ -155,6 +133,63 @@ class AsyncLLMEngine:
             except RuntimeError:  # the caller's loop is closed: nobody is listening any more
                 log.debug("dropping outputs for a closed event loop")
 
+    def _fail_all(self, item) -> None:
+        """End every open stream with `item` (_END, or the error every waiting caller gets)."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            self._deliver(stream, item)
+
+
+class AsyncLLMEngine(EngineFrontend):
+    def __init__(self, engine: LLMEngine):
+        super().__init__(engine.vocab_size, engine.max_model_len, engine.stats())
+        self.engine = engine
+        self._ops: list[Callable[[], None]] = []  # applied by the engine thread, in order
+        self._wake = threading.Event()
+        self._abort_on_stop = True
+        self._thread = threading.Thread(target=self._run, name="quantkit-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model=None, **engine_kwargs) -> "AsyncLLMEngine":
+        """Load a model (None = the bundled default) and start its engine; engine_kwargs are EngineConfig fields."""
+        from quantkit.serve.llm import build_engine
+
+        return cls(build_engine(model, **engine_kwargs))
+
+    def _alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _send_add(self, request_id: str, ids: list[int], params: SamplingParams, prompt: str | None) -> None:
+        self._submit(lambda: self._add_now(request_id, ids, params, prompt))
+
+    def _send_abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort_now(request_id))
+
+    def shutdown(self, abort_inflight: bool = True, timeout: float | None = None) -> None:
+        """Stop the engine thread: abort in-flight requests, or let them finish first. Blocks until it exits."""
+        self._abort_on_stop = abort_inflight
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- the engine thread
+    def _submit(self, op: Callable[[], None]) -> None:
+        with self._lock:
+            self._ops.append(op)
+        self._wake.set()
+
+    def _add_now(self, request_id: str, ids: list[int], params: SamplingParams, prompt: str | None) -> None:
+        try:
+            self.engine.add_request(request_id, ids, params, prompt=prompt)
+        except ValueError as e:  # e.g. the id is still in use by an unfinished request
+            self._close(request_id, e)
+
+    def _abort_now(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._close(request_id, _END)
+
     def _apply_ops(self) -> None:
         with self._lock:
             ops, self._ops = self._ops, []
@@ -181,10 +216,6 @@ class AsyncLLMEngine:
         except BaseException as e:  # the engine is dead: every waiting caller gets the error
             self.errored = e
             log.exception("engine step failed; the engine is stopped")
-            error = EngineDeadError(f"the engine failed: {e!r}")
-            with self._lock:
-                streams, self._streams = list(self._streams.values()), {}
-            for stream in streams:
-                self._deliver(stream, error)
+            self._fail_all(EngineDeadError(f"the engine failed: {e!r}"))
         finally:
             self._stats = engine.stats()

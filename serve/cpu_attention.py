@@ -9,35 +9,19 @@ same libgomp torch loaded). Falls back to None (the torch path) when no compiler
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger("quantkit.serve")
+from quantkit.serve.cpu_build import C_DTYPES, DTYPE_CODES, load_library
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_DIM, MAX_GROUP = 256, 16
 
-C_SOURCE = r"""
+C_SOURCE = C_DTYPES + r"""
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
 #define TILE 16
 #define MAXD 256
 #define MAXG 16
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
-  uint32_t u; memcpy(&u, &f, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);
-}
 
 static void load_row(const void* base, int64_t off, int d, int dtype, float* dst) {
   if (dtype == F32) { memcpy(dst, (const float*)base + off, (size_t)d * 4); return; }
@@ -186,58 +170,19 @@ void paged_decode(const void* q, const void* kc, const void* vc, const int32_t* 
 }
 """
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-
-
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build(out: Path) -> None:
-    """Compile C_SOURCE into out (atomic), linked to the libgomp torch already loaded."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc/cc) found")
-    torch_lib = Path(torch.__file__).parent / "lib"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src, lib = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.so"
-        src.write_text(C_SOURCE)
-        gomp = [str(torch_lib / "libgomp.so.1"), f"-Wl,-rpath,{torch_lib}"] if (torch_lib / "libgomp.so.1").exists() else []
-        subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib), *gomp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=300)
-        os.replace(lib, out)
-
-
 _kernel = None
 
 
 def load_decode_kernel():
-    """The compiled paged_decode function, or None when it cannot be built here (logged once)."""
+    """The compiled paged_decode function, or None when it cannot be built here."""
     global _kernel
-    if _kernel is not None:
-        return _kernel or None
-    from quantkit.models.loader import cache_root
-
-    key = hashlib.sha256((C_SOURCE + " ".join(FLAGS) + _cpu_signature() + torch.__version__).encode()).hexdigest()
-    path = cache_root() / "kernels" / f"paged_decode-{key[:16]}.so"
-    try:
-        if not path.exists():
-            _build(path)
-        fn = ctypes.CDLL(str(path)).paged_decode
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or ""
-        log.warning("CPU paged-attention kernel unavailable (%s %s): using the torch path", e, detail[-500:])
-        _kernel = False
-        return None
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    _kernel = fn
-    return fn
+    if _kernel is None:
+        lib = load_library("paged_decode", C_SOURCE)
+        _kernel = False if lib is None else lib.paged_decode
+        if lib is not None:
+            _kernel.restype = None
+            _kernel.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return _kernel or None
 
 
 def paged_decode(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

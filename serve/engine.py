@@ -45,6 +45,24 @@ def context_length_message(max_model_len: int, max_tokens: int, num_prompt: int)
     )
 
 
+def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
+    """ValueError for bad parameters or a prompt that does not fit; returns the effective max_tokens."""
+    params.validate()
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is out of range for a vocabulary of {vocab_size}")
+    num_prompt, max_tokens = len(prompt_token_ids), params.max_tokens
+    if max_tokens is None:
+        if num_prompt >= max_model_len:
+            raise ValueError(context_length_message(max_model_len, 1, num_prompt))
+        return max_model_len - num_prompt
+    if num_prompt + max_tokens > max_model_len:
+        raise ValueError(context_length_message(max_model_len, max_tokens, num_prompt))
+    return max_tokens
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, eos_token_ids: list[int] | None = None,
                  draft_model=None):
@@ -86,20 +104,7 @@ class LLMEngine:
     # ---- requests
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """ValueError for bad parameters or a prompt that does not fit; returns the effective max_tokens."""
-        params.validate()
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}")
-        num_prompt, max_tokens = len(prompt_token_ids), params.max_tokens
-        if max_tokens is None:
-            if num_prompt >= self.max_model_len:
-                raise ValueError(context_length_message(self.max_model_len, 1, num_prompt))
-            return self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(context_length_message(self.max_model_len, max_tokens, num_prompt))
-        return max_tokens
+        return check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:

@@ -20,6 +20,7 @@ from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, Tri
 from quantkit.serve.capacity import capacity_line, kv_bytes_per_token, num_kv_blocks
 from quantkit.serve.config import EngineConfig
 from quantkit.serve.cpu_attention import load_decode_kernel
+from quantkit.serve.cpu_fused import CpuFusedOps
 from quantkit.serve.cpu_linear import can_pack, pack_linears
 from quantkit.serve.scheduler import ScheduledSeq, SchedulerOutput
 from quantkit.serve.sequence import Sequence
@@ -71,6 +72,10 @@ class ModelRunner:
         self.block_size = engine_cfg.block_size
         if can_pack(dtype, self.device):
             log.info("prepacked %d Linear weights for oneDNN (bf16)", pack_linears(model, engine_cfg.max_num_batched_tokens))
+        self.fused_ops = CpuFusedOps.load() if self.device.type == "cpu" and engine_cfg.attention_backend == "auto" \
+            else None
+        if self.fused_ops is not None:
+            model.set_ops(self.fused_ops)
         self.bytes_per_token = kv_bytes_per_token(mc, torch.empty((), dtype=dtype).element_size())
         self.num_blocks = num_blocks or self._plan_blocks(self.bytes_per_token + shared_kv_bytes_per_token)
         if self.num_blocks * self.block_size < max_model_len:
@@ -99,7 +104,7 @@ class ModelRunner:
                                   and self.dtype in (torch.float16, torch.bfloat16)):
             return TritonPagedAttention(kv_caches, scale)
         kernel = load_decode_kernel() if choice == "auto" and self.device.type == "cpu" else None
-        return TorchPagedAttention(kv_caches, scale, kernel)
+        return TorchPagedAttention(kv_caches, scale, kernel, self.fused_ops)
 
     # ---- capacity
     def _plan_blocks(self, bytes_per_token: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
@@ -40,12 +40,12 @@ def read_chat_template(path: str | None) -> str | None:
     return file.read_text()
 
 
-def model_info(loaded, engine_config: EngineConfig) -> dict[str, str]:
+def model_info(source: str, hf_config: dict, engine_config: EngineConfig) -> dict[str, str]:
     """Labels of the quantkit:model_info gauge."""
-    quant = loaded.hf_config.get("quantization_config") or {}
+    quant = hf_config.get("quantization_config") or {}
     method = quant.get("quant_method") or quant.get("format") or "none"
     bits = quant.get("bits") or quant.get("w_bit") or ""
-    return {"source": str(loaded.source), "quantization": f"{method}{bits}", "dtype": str(engine_config.dtype)}
+    return {"source": str(source), "quantization": f"{method}{bits}", "dtype": str(engine_config.dtype)}
 
 
 def default_served_name(model: str | None) -> str:
@@ -63,16 +63,24 @@ def run_server(options: ServerOptions, engine_config: EngineConfig) -> int:
 
     import uvicorn
 
-    from quantkit.serve.api import build_app
-    from quantkit.serve.async_engine import AsyncLLMEngine
-    from quantkit.serve.llm import build_engine
+    from transformers import AutoTokenizer
 
-    core = build_engine(options.model, **asdict(engine_config))
-    loaded = core.loaded
-    engine = AsyncLLMEngine(core)
+    from quantkit.models.loader import read_hf_config, resolve
+    from quantkit.serve.api import build_app
+    from quantkit.serve.engine_process import EngineProcess
+
+    folder, source = resolve(options.model)  # a GGUF is converted here, once, before the engine process loads it
+    hf_config = read_hf_config(folder)
+    engine = EngineProcess(options.model, engine_config, options.log_level)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)  # while the engine process loads the weights
+        engine.wait_ready()
+    except BaseException:
+        engine.shutdown(timeout=10)
+        raise
     name = options.served_model_name or default_served_name(options.model)
-    app = build_app(engine, loaded.tokenizer, name, core.max_model_len, api_key=options.api_key,
-                    chat_template=chat_template, model_info=model_info(loaded, engine_config))
+    app = build_app(engine, tokenizer, name, engine.max_model_len, api_key=options.api_key,
+                    chat_template=chat_template, model_info=model_info(source, hf_config, engine_config))
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
     server = uvicorn.Server(config)
@@ -80,7 +88,7 @@ def run_server(options: ServerOptions, engine_config: EngineConfig) -> int:
     # graceful shutdown ends with exit code 0 instead of death by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    log.info("serving %s as %r on http://%s:%d", loaded.source, name, options.host, options.port)
+    log.info("serving %s as %r on http://%s:%d", source, name, options.host, options.port)
     try:
         server.run()
     finally:

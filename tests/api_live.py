@@ -37,15 +37,23 @@ def live_server(app, startup_timeout: float = 60.0) -> Iterator[str]:
 
 
 @contextmanager
-def serving_app(loaded, served_model_name: str, **engine_options):
-    """build_app over a fresh AsyncLLMEngine on an already loaded model; the engine is shut down on exit."""
+def serving_app(loaded, served_model_name: str, process: bool = False, **engine_options):
+    """build_app over a fresh engine for an already loaded model; the engine is shut down on exit.
+
+    process=False: an AsyncLLMEngine (a thread of this process) on `loaded` itself; process=True: the EngineProcess
+    `quantkit serve` runs, a child that loads loaded.path in loaded's dtype."""
     from quantkit.serve.api import build_app
     from quantkit.serve.async_engine import AsyncLLMEngine
+    from quantkit.serve.config import EngineConfig
+    from quantkit.serve.engine_process import EngineProcess
     from quantkit.serve.llm import build_engine
 
-    core = build_engine(loaded, **engine_options)
-    engine = AsyncLLMEngine(core)
+    if process:
+        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        engine = EngineProcess(str(loaded.path), EngineConfig(dtype=dtype, **engine_options), "warning").wait_ready()
+    else:
+        engine = AsyncLLMEngine(build_engine(loaded, **engine_options))
     try:
-        yield build_app(engine, loaded.tokenizer, served_model_name, core.max_model_len)
+        yield build_app(engine, loaded.tokenizer, served_model_name, engine.max_model_len)
     finally:
         engine.shutdown(abort_inflight=True)

@@ -38,9 +38,12 @@ METRIC_NAMES = [
 CHAT = [{"role": "user", "content": "Name three colors of the rainbow."}]
 
 
-@pytest.fixture(scope="module")
-def app(bundled):
-    with serving_app(bundled, MODEL_NAME, max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_BYTES) as application:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def app(bundled, request):
+    """Every contract holds for both engine back ends: a thread of the server, and the child process that
+    `quantkit serve` runs."""
+    with serving_app(bundled, MODEL_NAME, process=request.param == "process", max_model_len=MAX_MODEL_LEN,
+                     kv_cache_memory=KV_BYTES) as application:
         yield application
 
 
@@ -374,6 +377,22 @@ def test_engine_shutdown_mid_stream_sends_an_error_event(bundled):
     error = json.loads(rest[-2][6:])["error"]
     assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
     assert all("error" not in json.loads(line[6:]) for line in rest[:-2])
+
+
+def test_engine_process_death_fails_streams_and_health(bundled):
+    with serving_app(bundled, MODEL_NAME, process=True, max_model_len=256, kv_cache_memory=16 << 20) as application, \
+            live_server(application) as base, httpx.Client(base_url=base, timeout=60) as c:
+        assert c.get("/health").status_code == 200
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            next(lines)
+            application.state.serving.engine._proc.kill()
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == 503 and "engine process exited" in error["message"]
+        assert_error(c.get("/health"), 503, "ServiceUnavailableError")
 
 
 def test_stopped_engine_makes_health_503(bundled):

@@ -1,6 +1,7 @@
 """The HTTP API against independent references on the bundled model in fp32.
 
-1. Greedy outputs through the HTTP API (official `openai` client, real uvicorn on 127.0.0.1) equal transformers'
+1. Greedy outputs through the HTTP API (official `openai` client, real uvicorn on 127.0.0.1, the engine in its own
+process as `quantkit serve` runs it) equal transformers'
 `generate` on the bundled model in fp32, token for token, for 16 real prompts (8 chat from AlpacaEval, 8 plain
 completions from GSM8K), streamed and not, at concurrency 1 and 16.
 
@@ -73,7 +74,7 @@ def cases(bundled, reference, shared_data):
 
 @pytest.fixture(scope="module")
 def url(bundled):
-    with serving_app(bundled, MODEL_NAME, max_model_len=1024, kv_cache_memory=KV_BYTES) as app, \
+    with serving_app(bundled, MODEL_NAME, process=True, max_model_len=1024, kv_cache_memory=KV_BYTES) as app, \
             live_server(app) as base:
         yield base
 

@@ -105,20 +105,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class TorchOps:
+    """The per-token ops between the matmuls, in plain torch (any device, dtype and layout). A serving runner may
+    swap in fused kernels with the same contract (serve/cpu_fused.py) through LlamaForCausalLM.set_ops."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
+        """-> (weight * norm(x + residual), x + residual): normalise in fp32 (as HF does), scale in x's dtype."""
+        if residual is not None:
+            x = residual + x
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype), x
+
+    @staticmethod
+    def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: "RotaryEmbedding"):
+        """q [*lead, Hq, D], k [*lead, Hkv, D] at positions [*lead] (or [L] shared by a batch) -> rotated q, k."""
+        cos, sin = rotary(positions, q.dtype)
+        if q.dim() == 4 and positions.dim() == 1:  # one position row shared by the batch
+            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
+    ops = TorchOps
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 (as HF does), scale in the input dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.ops.rms_norm(x, None, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual)."""
+        return self.ops.rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
+    ops = TorchOps
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, linear_cls: Callable[..., nn.Module]):
         super().__init__()
         self.layer_idx = layer_idx
@@ -129,13 +160,13 @@ class Attention(nn.Module):
         self.v_proj = linear_cls(h, kvd, bias=cfg.qkv_bias)
         self.o_proj = linear_cls(qd, h, bias=cfg.o_bias)
 
-    def forward(self, x, cos, sin, attn: Optional[AttentionBackend]):
-        # x [*lead, H] with lead = (B, L) dense or (T,) paged; cos/sin [*lead, 1, D]
+    def forward(self, x, positions, rotary, attn: Optional[AttentionBackend]):
+        # x [*lead, H] with lead = (B, L) dense or (T,) paged; positions [*lead] or [L]
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.ops.rope(q, k, positions, rotary)
         if attn is None:
             # dense causal: [B, L, H, D] -> [B, H, L, D]
             out = F.scaled_dot_product_attention(
@@ -148,6 +179,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    ops = TorchOps
+
     def __init__(self, cfg: ModelConfig, linear_cls: Callable[..., nn.Module]):
         super().__init__()
         self.gate_proj = linear_cls(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -155,7 +188,7 @@ class MLP(nn.Module):
         self.down_proj = linear_cls(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -169,11 +202,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
         """x [B, L, H] (dense) or [T, H] (paged); positions [L], [B, L] or [T]."""
-        cos, sin = self.rotary(positions, x.dtype)
-        if x.dim() == 3 and positions.dim() == 1:  # one position row shared by the batch
-            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), positions, self.rotary, attn)
+        h, x = self.post_attention_layernorm.add_and_norm(h, x)
+        return x + self.mlp(h)
 
 
 class RotaryEmbedding(nn.Module):
@@ -181,6 +212,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._last = None  # (positions, dtype, inv_freq, (cos, sin)) of the latest call
+        self._table = torch.empty(0)  # [P, D] fp32 cos | sin of positions 0 .. P-1, grown on demand
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [...] -> cos, sin [..., 1, D] in `dtype` (angles computed in fp32). Every layer of one forward
@@ -194,6 +226,19 @@ class RotaryEmbedding(nn.Module):
         result = emb.cos().to(dtype), emb.sin().to(dtype)
         self._last = (positions, dtype, self.inv_freq, result)
         return result
+
+    def table(self, positions: torch.Tensor) -> torch.Tensor:
+        """fp32 [P, D], row p = cos(p * inv_freq) | sin(p * inv_freq) (the angles forward() uses), P > max
+        position. Checked once per forward (same positions tensor), grown by doubling."""
+        last = self._last
+        if not (last is not None and last[0] is positions and last[1] is None and last[2] is self.inv_freq):
+            need = int(positions.max()) + 1
+            if self._table.shape[0] < need or self._table.device != self.inv_freq.device:
+                size = max(need, 2 * self._table.shape[0], 256)
+                freqs = torch.arange(size, device=self.inv_freq.device).to(torch.float32)[:, None] * self.inv_freq
+                self._table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+            self._last = (positions, None, self.inv_freq, None)
+        return self._table
 
 
 class LlamaModel(nn.Module):
@@ -215,6 +260,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_ops(self, ops) -> None:
+        """Route the per-token ops (norms, RoPE, SiLU-and-multiply) through `ops` (TorchOps' contract)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.ops = ops
 
     def hidden(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                attn: Optional[AttentionBackend] = None) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""Compile a C source once with the system C compiler (cached per source, flags, CPU and torch), load it with ctypes.
+
+The library links the libgomp torch already loaded, so its OpenMP threads are torch's. Used by the CPU kernels of
+cpu_attention.py and cpu_fused.py; a machine without a working compiler gets None and the torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("quantkit.serve")
+
+# -fno-trapping-math lets the vectoriser if-convert clamps; nothing here reads floating-point exception flags
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
+         "-std=c11"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the `dtype` argument of every kernel
+
+# fp32 <-> the 16-bit types, shared by the kernels' sources (bf16 rounds to nearest even, as torch does)
+C_DTYPES = r"""
+#include <stdint.h>
+#include <string.h>
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+static inline float bf16_to_f32(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u; memcpy(&u, &f, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);
+}
+"""
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(source: str, out: Path) -> None:
+    """Compile source into out (atomic)."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc/cc) found")
+    torch_lib = Path(torch.__file__).parent / "lib"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src, lib = Path(tmp) / f"{out.stem}.c", Path(tmp) / f"{out.stem}.so"
+        src.write_text(source)
+        gomp = [str(torch_lib / "libgomp.so.1"), f"-Wl,-rpath,{torch_lib}"] if (torch_lib / "libgomp.so.1").exists() else []
+        subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib), *gomp, "-lm"], check=True, capture_output=True,
+                       text=True, timeout=300)
+        os.replace(lib, out)
+
+
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def load_library(name: str, source: str) -> ctypes.CDLL | None:
+    """The compiled library of `source` (built on first use, then cached on disk), or None when it cannot be
+    built here (logged once)."""
+    if name in _loaded:
+        return _loaded[name]
+    from quantkit.models.loader import cache_root
+
+    key = hashlib.sha256((source + " ".join(FLAGS) + _cpu_signature() + torch.__version__).encode()).hexdigest()
+    path = cache_root() / "kernels" / f"{name}-{key[:16]}.so"
+    try:
+        if not path.exists():
+            _build(source, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or ""
+        log.warning("CPU kernels %s unavailable (%s %s): using the torch path", name, e, detail[-500:])
+        lib = None
+    _loaded[name] = lib
+    return lib

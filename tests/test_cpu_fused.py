@@ -1,0 +1,105 @@
+"""The fused CPU kernels (serve/cpu_fused.py) against the model's plain torch ops (TorchOps), per dtype, on strided
+views like the ones the runner hands them, and a whole model run through each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding, TorchOps
+from quantkit.serve.cpu_fused import CpuFusedOps
+from tests.conftest import tiny_hf_config
+
+# fp32: the kernels' exp and reciprocal are polynomial (~1e-7 relative); bf16/fp16: one rounding step of the
+# output (the torch path rounds after every op, the kernels once)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+DTYPES = list(TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    fused = CpuFusedOps.load()
+    if fused is None:
+        pytest.fail("the fused CPU kernels did not build: a C compiler (gcc) is expected on this machine")
+    return fused
+
+
+def close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_add_rms_norm(ops, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 200, generator=gen).to(dtype)
+    x = wide[:, 8:104]  # a strided row view, as a slice of a fused projection would be
+    residual = torch.randn(rows, 96, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    got, total = ops.rms_norm(x, residual, weight, 1e-5)
+    want, want_total = TorchOps.rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, want_total)  # one rounding of the sum in both
+    close(got, want, dtype)
+    alone, same = ops.rms_norm(x, None, weight, 1e-5)
+    assert same is x
+    close(alone, TorchOps.rms_norm(x, None, weight, 1e-5)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_silu_mul(ops, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (6 * torch.randn(rows, 2 * 80, generator=gen)).to(dtype)  # [T, 2I]: gate | up, strided halves
+    gate, up = gate_up[:, :80], gate_up[:, 80:]
+    close(ops.silu_mul(gate, up), TorchOps.silu_mul(gate, up), dtype)
+    extreme = torch.tensor([[-200.0, -90.0, -1e-3, 0.0, 1e-3, 90.0, 200.0]]).to(dtype)
+    close(ops.silu_mul(extreme, torch.ones_like(extreme)), TorchOps.silu_mul(extreme, torch.ones_like(extreme)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_in_place_matches_torch(ops, dtype, scaling):
+    cfg = ModelConfig.from_hf(tiny_hf_config("llama", rope_scaling=scaling, rope_theta=10000.0, head_dim=32))
+    rotary = RotaryEmbedding(cfg)
+    gen = torch.Generator().manual_seed(3)
+    tokens, hq, hkv, d = 11, 4, 2, cfg.head_dim
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)  # one fused projection's output
+    q, k = qkv[:, : hq * d].view(tokens, hq, d), qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
+    positions = torch.tensor([0, 1, 2, 15, 16, 17, 300, 301, 1000, 5, 5])
+    want_q, want_k = TorchOps.rope(q.clone(), k.clone(), positions, rotary)
+    got_q, got_k = ops.rope(q, k, positions, rotary)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    close(got_q, want_q, dtype)
+    close(got_k, want_k, dtype)
+    assert rotary.table(positions).shape[0] > 1000
+
+
+def test_kv_store_equals_index_copy(ops):
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.zeros(6, 4, 2, 8, dtype=torch.bfloat16) for _ in range(4)]
+    kv = torch.randn(5, 3 * 16, generator=gen).to(torch.bfloat16)  # rows of q | k | v, k and v strided
+    k, v = kv[:, 16:32].view(5, 2, 8), kv[:, 32:].view(5, 2, 8)
+    slots = torch.tensor([3, 0, 23, 9, 10])
+    ops.kv_store(k, v, caches[0], caches[1], slots)
+    caches[2].view(-1, 2, 8).index_copy_(0, slots, k)
+    caches[3].view(-1, 2, 8).index_copy_(0, slots, v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_with_fused_ops_matches_torch_ops(ops, dtype):
+    """The dense path (rope falls back to torch for [B, L, H, D]) and the flat paged layout both agree."""
+    cfg = ModelConfig.from_hf(tiny_hf_config("llama"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        want = model(ids)
+        model.set_ops(ops)
+        got = model(ids)
+        model.set_ops(TorchOps)
+    tol = 1e-4 if dtype == torch.float32 else 0.15
+    torch.testing.assert_close(got, want, atol=tol, rtol=0)
