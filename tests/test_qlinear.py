@@ -1,5 +1,6 @@
 """quant/qlinear.py: QLinear keeps the exact QTensor, its reference forward is dequantize-then-matmul, and every CPU
-packed-kernel path reproduces dequantize(qt) @ x.
+packed-kernel path (torch's per-row kernels, the AMX dequant-GEMM of serve/cpu_qgemm.py) reproduces
+dequantize(qt) @ x.
 
 Exactness of the fast paths: the kernels take bf16 inputs and bf16 scale/zero terms and return bf16, so with power-of-two
 scales and one-hot inputs every product and sum is exact (|q - z| <= 255 fits bf16's 8 significant bits): feeding
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.config import QuantScheme
-from quantkit.quant.qlinear import QLinear
+from quantkit.quant.qlinear import _AMX_MAX_M, _AMX_MIN_M, QLinear
+from quantkit.serve import cpu_qgemm
 from quantkit.quant.scheme import QTensor, dequantize, fit_qparams, quantize, quantize_rtn
 
 
@@ -72,19 +74,29 @@ def test_fp32_forward_is_dequantize_then_matmul(case):
     assert torch.equal(layer(x), F.linear(x, dequantize(qt), bias))
 
 
+needs_amx = pytest.mark.skipif(not cpu_qgemm.available(), reason="the CPU has no AMX (or Linux refused it)")
+
+
+# rows per call: below _AMX_MIN_M torch's packed kernel of each kind; 24 (padded to 32: two AMX row tiles) the AMX
+# dequant-GEMM
+@pytest.mark.parametrize("chunk", [_AMX_MIN_M - 1, pytest.param(24, marks=needs_amx)])
 @pytest.mark.parametrize("case", list(FAST))
-def test_cpu_kernel_reproduces_the_dequantized_weight_exactly(case):
+def test_cpu_kernel_reproduces_the_dequantized_weight_exactly(case, chunk):
     n, k, bits, g, sym, act, kind = FAST[case]
     qt = make_qtensor(n, k, bits, g, sym, act, pow2_scales=True, seed=2)
     layer = QLinear.from_qtensor(qt)
     eye = torch.eye(k, dtype=torch.bfloat16)
-    rows = [layer(chunk) for chunk in eye.split(16)]  # <= 16 rows per call: the kernel path for every kind
-    assert layer._kernel[0] == kind
+    rows = [layer(part) for part in eye.split(chunk)]
+    if chunk < _AMX_MIN_M:
+        assert layer._kernel[0] == kind
+    else:
+        assert layer._kernel is None and layer._amx[0] == "amx"
     assert torch.equal(torch.cat(rows).float(), dequantize(qt).T)
 
 
+@pytest.mark.parametrize("rows", [3, pytest.param(_AMX_MIN_M, marks=needs_amx), pytest.param(70, marks=needs_amx)])
 @pytest.mark.parametrize("case", list(FAST))
-def test_cpu_kernel_matches_reference_on_random_inputs(case):
+def test_cpu_kernel_matches_reference_on_random_inputs(case, rows):
     """Tolerance: the kernels round scale and zero terms to bf16 (relative 2^-9 each) and the output to bf16
     (2^-9), so |y - ref| <= 2^-8 * (|x| @ (maxq * |S|).T) + 2^-8 * |ref|: a bound, not a typical error; a wrong
     code, zero or permutation moves outputs by O(s * |x|) on many rows and fails the 1%-of-range check too."""
@@ -92,9 +104,10 @@ def test_cpu_kernel_matches_reference_on_random_inputs(case):
     qt = make_qtensor(n, k, bits, g, sym, act, seed=3)
     bias = torch.randn(n).bfloat16()
     layer = QLinear.from_qtensor(qt, bias)
-    x = torch.randn(5, k).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
     y = layer(x)
-    assert y.dtype == torch.bfloat16 and layer._kernel[0] == kind
+    assert y.dtype == torch.bfloat16
+    assert layer._kernel[0] == kind if rows < _AMX_MIN_M else layer._amx[0] == "amx"
     w = dequantize(qt)
     ref = x.float() @ w.T + bias.float()
     s_full = qt.scales.float()[:, qt.group_index()]
@@ -104,11 +117,25 @@ def test_cpu_kernel_matches_reference_on_random_inputs(case):
     assert float(err.max()) <= 0.01 * float(ref.abs().max())
 
 
-def test_many_rows_take_the_dequantize_path_in_bf16():
+@needs_amx
+@pytest.mark.parametrize("case", ["w4g64-asym", "w8g32-sym-act", "w8ch-asym"])
+def test_amx_prefill_rows_use_a_bit_identical_dequantization(case):
+    n, k, bits, g, sym, act, _ = FAST[case]
+    qt = make_qtensor(n, k, bits, g, sym, act, seed=8)
+    layer = QLinear.from_qtensor(qt)
+    x = torch.randn(_AMX_MAX_M + 1, k).bfloat16()
+    perm, packed = layer._amx_kernel()[1]
+    w = cpu_qgemm.dequantize_bf16(packed, bits).clone()
+    reference = dequantize(qt, torch.bfloat16)
+    assert torch.equal(w, reference if perm is None else reference[:, perm])
+    assert torch.equal(layer(x), F.linear(x if perm is None else x[:, perm], w))
+
+
+def test_fp32_many_rows_take_the_dequantize_path():
     qt = make_qtensor(64, 128, 4, 32, False, seed=4)
     layer = QLinear.from_qtensor(qt)
-    x = torch.randn(100, 128).bfloat16()
-    assert torch.equal(layer(x), F.linear(x, dequantize(qt, torch.bfloat16)))
+    x = torch.randn(100, 128)
+    assert torch.equal(layer(x), F.linear(x, dequantize(qt)))
 
 
 def random_qtensor(n, k, g, g_idx=None, seed=5) -> QTensor:

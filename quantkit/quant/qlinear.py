@@ -11,6 +11,10 @@ The QTensor is rebuilt exactly from these (`qtensor()`), so checkpoint writers s
 
 Forward, chosen per call:
   CUDA              quantkit.kernels.qgemm: prepare(qtensor) once per device, matmul(x, prepared) per call.
+  CPU with AMX, bfloat16, M >= _AMX_MIN_M   serve/cpu_qgemm.py: dequantize a block of 16 columns into L2 and
+                    run AMX tile matmuls on it (its own packed copy: ~0.63 B/weight at 4 bit); 1.2x faster than a
+                    bf16 matmul at 64 rows, where torch's per-row kernels are 6-8x slower. Above _AMX_MAX_M rows
+                    (prefill) its C dequantization to bf16, then oneDNN's matmul
   CPU, bfloat16, few rows (M <= _KERNEL_MAX_M)   torch's packed CPU kernels, repacked once per device (a second
                     copy of the codes: ~0.56 B/weight at 4 bit, ~1.1 for int8_hilo; the int8 path reuses qweight):
       4-bit         _weight_int4pack_mm_for_cpu (tinygemm: w = s * (q - 8) + zf with zf = s * (8 - z))
@@ -37,6 +41,9 @@ from quantkit.quant.scheme import QTensor, dequantize, num_groups, pack_nibbles,
 # a kernel costs ~22 us per row per 0.9M weights (~45 us for the two-call int8_hilo), one dequantization ~2 ms).
 _KERNEL_MAX_M = {"int4": 64, "int8": 64, "int8_hilo": 32}
 _TINYGEMM_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
+# CPUs with AMX (serve/cpu_qgemm.py): below _AMX_MIN_M rows torch's per-row kernel skips the dequantization and
+# wins; up to _AMX_MAX_M the AMX dequant-GEMM; above, its C dequantization + oneDNN's matmul (bench/qlinear_cpu.py)
+_AMX_MIN_M, _AMX_MAX_M = 5, 1024
 
 
 class QLinear(nn.Module):
@@ -57,6 +64,7 @@ class QLinear(nn.Module):
         self.register_buffer("g_idx", torch.zeros(k, dtype=torch.int32) if act_order else None)
         self.register_buffer("bias", torch.zeros(n) if bias else None)
         self._kernel: Optional[tuple[str, Any]] = None  # (kind, kernel tensors), built lazily per device
+        self._amx: Optional[tuple[str, Any]] = None  # ("amx", (perm, packed)) or ("none", None), built lazily
 
     @classmethod
     def from_qtensor(cls, qt: QTensor, bias: Optional[torch.Tensor] = None) -> "QLinear":
@@ -94,7 +102,7 @@ class QLinear(nn.Module):
                 f"sym={self.sym}, act_order={self.g_idx is not None}, bias={self.bias is not None}")
 
     def _apply(self, fn, recurse=True):
-        self._kernel = None  # device or dtype moves invalidate the repacked kernel tensors
+        self._kernel = self._amx = None  # device or dtype moves invalidate the repacked kernel tensors
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,8 +111,12 @@ class QLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if x.is_cuda:
             return self._cuda(x2).reshape(*lead, self.out_features)
-        kernel = self._cpu_kernel() if x.dtype == torch.bfloat16 else None
-        if kernel is not None and 0 < x2.shape[0] <= _KERNEL_MAX_M[kernel[0]]:
+        m = x2.shape[0]
+        amx = self._amx_kernel() if x.dtype == torch.bfloat16 and m >= _AMX_MIN_M else None
+        kernel = self._cpu_kernel() if x.dtype == torch.bfloat16 and amx is None else None
+        if amx is not None:
+            y = _run_amx(amx, x2, self.bits)
+        elif kernel is not None and 0 < m <= _KERNEL_MAX_M[kernel[0]]:
             y = _run_cpu_kernel(kernel, x2)
         else:
             y = F.linear(x2, dequantize(self.qtensor(), x.dtype))
@@ -127,6 +139,35 @@ class QLinear(nn.Module):
             int8_weight = self.qweight if self.bits == 8 else None
             self._kernel = _build_cpu_kernel(self.qtensor(), int8_weight) or ("none", None)
         return None if self._kernel[0] == "none" else self._kernel
+
+    def _amx_kernel(self) -> Optional[tuple[str, Any]]:
+        """Build (once) the AMX dequant-GEMM's packed weight; None without AMX or for shapes it does not take."""
+        if self._amx is None:
+            self._amx = ("none", None)
+            from quantkit.serve import cpu_qgemm
+
+            qt = self.qtensor()
+            layout = _contiguous_groups(qt) if cpu_qgemm.available() else None
+            if layout is not None:
+                perm, g = layout
+                codes = qt.codes if perm is None else qt.codes[:, perm]
+                packed = cpu_qgemm.pack(codes, qt.scales, qt.zeros, qt.bits, g if g < qt.shape[1] else -1)
+                if packed is not None:
+                    self._amx = ("amx", (perm, packed))
+        return None if self._amx[0] == "none" else self._amx
+
+
+def _run_amx(kernel: tuple[str, Any], x2: torch.Tensor, bits: int) -> torch.Tensor:
+    """x2 [M, K] bf16 -> [M, N] bf16 through serve/cpu_qgemm.py: its AMX GEMM up to _AMX_MAX_M rows, above that its
+    dequantization (C, ~10x faster than dequantize()'s torch ops) and oneDNN's matmul."""
+    from quantkit.serve import cpu_qgemm
+
+    perm, packed = kernel[1]
+    if perm is not None:
+        x2 = x2.index_select(1, perm)  # act-order: columns into group order
+    if x2.shape[0] > _AMX_MAX_M:
+        return F.linear(x2, cpu_qgemm.dequantize_bf16(packed, bits))
+    return cpu_qgemm.matmul(x2.contiguous(), packed, bits)
 
 
 def _contiguous_groups(qt: QTensor) -> Optional[tuple[Optional[torch.Tensor], int]]:
