@@ -4,21 +4,19 @@
     python bench/engine_throughput.py --small-pool 0.25    # + the same run with a KV pool of 25% of the need:
                                                            #   preemptions, slot utilisation, outputs identical?
 Prints output tokens/s (wall clock), output tokens per CPU-second of this process (the work itself: on a shared,
-busy machine the wall-clock figure mostly measures the neighbours), step timings and the engine's KV statistics. Greedy with ignore_eos, so every request
-produces exactly --output-len tokens (as vLLM's benchmarks do). OMP_WAIT_POLICY defaults to PASSIVE: on a shared
-machine spinning OpenMP threads lose most of their time to each other.
+busy machine the wall-clock figure mostly measures the neighbours), step timings and the engine's KV
+statistics. Greedy with ignore_eos, so every request produces exactly --output-len tokens (as vLLM's benchmarks
+do). OpenMP keeps its default wait policy, as in `quantkit serve`'s engine process (set OMP_WAIT_POLICY=PASSIVE on
+a machine shared with other busy processes: spinning threads then lose their time to each other).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-
-
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import time
+from pathlib import Path
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DATASETS = {"alpacaeval": "chat-alpacaeval/alpaca_eval_gpt4ref.jsonl", "sharegpt": "chat-sharegpt/sharegpt_v3_filtered_1000.jsonl"}

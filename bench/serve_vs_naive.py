@@ -11,6 +11,7 @@ output tokens/s, mean TTFT and mean TPOT come from the same client for every ser
   quantkit-w8/w4  `quantkit serve` of a W8 / W4 checkpoint (--w8 / --w4; default: made with RTN g64 first)
   naive           bench/naive_server.py: transformers generate, one request at a time (fp32, as PEERS.md)
   vllm            vLLM's CPU build from --vllm-python (PEERS.md's throwaway venv), bf16, the bundled FP16 folder
+  vllm-w4         the same vLLM on the --w4 checkpoint (its GPTQ / compressed-tensors W4A16 path)
   llamacpp        llama-cpp-python's server from --llamacpp-python on the bundled GGUF (one request at a time)
 --naive-prompts: the naive server serialises requests, so its throughput does not depend on how many are queued;
 a smaller number measures the same rate sooner (the table says how many it got).
@@ -59,9 +60,10 @@ def server_command(name: str, args, port: int) -> tuple[list[str], dict, str]:
     if name == "naive":
         return [sys.executable, str(Path(__file__).with_name("naive_server.py")), str(bundled_model_dir()),
                 "--port", str(port), "--dtype", "float32"], env, "/health"
-    if name == "vllm":
+    if name in ("vllm", "vllm-w4"):
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1")
-        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(bundled_model_dir()),
+        model = bundled_model_dir() if name == "vllm" else args.w4
+        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
                 "--served-model-name", "bench"], env, "/health"
     if name == "llamacpp":
@@ -127,7 +129,7 @@ def main() -> None:
     servers = args.servers.split(",")
     if "quantkit-w8" in servers and args.w8 is None:
         args.w8 = rtn_checkpoint(8)
-    if "quantkit-w4" in servers and args.w4 is None:
+    if ("quantkit-w4" in servers or "vllm-w4" in servers) and args.w4 is None:
         args.w4 = rtn_checkpoint(4)
     tokenizer = load_tokenizer(None)
     prompts = load_prompts("sharegpt", args.num_prompts, tokenizer, max_tokens=args.max_tokens)

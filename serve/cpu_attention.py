@@ -199,6 +199,14 @@ static inline __attribute__((always_inline)) void item_bf16(
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int t0 = 0; t0 < len; t0 += TILE) {
     const int n = len - t0 < TILE ? len - t0 : TILE;
+    /* the next tile usually sits in another block: ask for its rows now, while this tile computes */
+    for (int t = t0 + TILE; t < t0 + 2 * TILE && t < len; t++) {
+      const int64_t row = (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;
+      for (int off = 0; off < D; off += 32) {
+        _mm_prefetch((const char*)(kc + row + off), _MM_HINT_T0);
+        _mm_prefetch((const char*)((const uint16_t*)vc + row + off), _MM_HINT_T0);
+      }
+    }
     for (int j = 0; j < TILE; j++) {
       if (j >= n) { for (int g = 0; g < G; g++) part[g][j] = _mm512_setzero_ps(); continue; }
       const int t = t0 + j;
