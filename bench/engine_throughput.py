@@ -6,7 +6,7 @@
 Prints output tokens/s (wall clock), output tokens per CPU-second of this process (the work itself: on a shared,
 busy machine the wall-clock figure mostly measures the neighbours), step timings and the engine's KV
 statistics. Greedy with ignore_eos, so every request produces exactly --output-len tokens (as vLLM's benchmarks
-do). OpenMP keeps its default wait policy, as in `quantkit serve`'s engine process (set OMP_WAIT_POLICY=PASSIVE on
+do). OpenMP keeps its default wait policy and glibc keeps freed memory, as in `quantkit serve`'s engine process (set OMP_WAIT_POLICY=PASSIVE on
 a machine shared with other busy processes: spinning threads then lose their time to each other).
 """
 
@@ -85,7 +85,9 @@ def main() -> None:
 
     from quantkit import LLM
     from quantkit.serve.capacity import kv_bytes_per_token
+    from quantkit.serve.engine_process import keep_freed_memory
 
+    keep_freed_memory()  # as `quantkit serve`'s engine process does
     if args.threads:
         torch.set_num_threads(args.threads)
     common = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, block_size=args.block_size,

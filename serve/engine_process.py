@@ -138,6 +138,22 @@ class EngineProcess(EngineFrontend):
 # ---- the child ------------------------------------------------------------------------------------------------
 
 
+def keep_freed_memory() -> None:
+    """glibc: serve large temporaries from the heap and keep freed memory for the next step. By default a block over
+    the mmap threshold is mapped fresh and unmapped when freed, so every prefill activation (megabytes per matmul
+    output) lands on new pages and pays a page fault per 4 KiB: 16% of a bf16 prefill step, 29% of a W4 one here.
+    The heap then stays at the peak of one step's activations. Nothing elsewhere than glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 256 << 20)
+    mallopt(m_trim_threshold, 1 << 30)
+
+
 def serve_forever(engine, conn: Connection) -> None:
     """Apply messages, step while there is work, send outputs; returns after a shutdown message."""
     stop = None  # set by ("shutdown", abort_inflight)
@@ -173,6 +189,7 @@ def main(fd: int) -> int:
     from quantkit.serve.llm import build_engine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us itself
+    keep_freed_memory()
     conn = Connection(fd)
     model, engine_kwargs, log_level = conn.recv()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
