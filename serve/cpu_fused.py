@@ -174,16 +174,22 @@ SIGNATURES = {
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
-    """t [T, ...]: (T, token stride in elements); the trailing dims must be contiguous."""
-    assert t.stride(-1) == 1 and all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(1, t.dim() - 1))
+    """t [T, ...]: (T, token stride in elements); the trailing dims must be contiguous (checked once per call: on
+    the decode path these checks cost as much as the kernels, so the contiguous case goes first)."""
+    if not t.is_contiguous():
+        assert t.stride(-1) == 1 and all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(1, t.dim() - 1))
     return t.shape[0], t.stride(0)
 
 
 def _ours(*tensors: torch.Tensor) -> bool:
     """Tensors the kernels take: on CPU, one dtype among DTYPE_CODES."""
-    first = tensors[0]
-    return first.device.type == "cpu" and first.dtype in DTYPE_CODES and all(
-        t.device.type == "cpu" and t.dtype == first.dtype for t in tensors)
+    dtype = tensors[0].dtype
+    if dtype not in DTYPE_CODES:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu:
+            return False
+    return True
 
 
 class CpuFusedOps:
