@@ -257,19 +257,13 @@ void paged_decode(const void* q, const void* kc, const void* vc, const int32_t* 
 }
 """
 
-_kernel = None
+SIGNATURE = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
 
 
 def load_decode_kernel():
     """The compiled paged_decode function, or None when it cannot be built here."""
-    global _kernel
-    if _kernel is None:
-        lib = load_library("paged_decode", C_SOURCE)
-        _kernel = False if lib is None else lib.paged_decode
-        if lib is not None:
-            _kernel.restype = None
-            _kernel.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    return _kernel or None
+    lib = load_library("paged_decode", C_SOURCE, {"paged_decode": SIGNATURE})
+    return None if lib is None else lib.paged_decode
 
 
 def paged_decode(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

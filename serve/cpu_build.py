@@ -63,9 +63,10 @@ def _build(source: str, out: Path) -> None:
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
-def load_library(name: str, source: str) -> ctypes.CDLL | None:
-    """The compiled library of `source` (built on first use, then cached on disk), or None when it cannot be
-    built here (logged once)."""
+def load_library(name: str, source: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """The compiled library of `source` (built on first use, then cached on disk, loaded once per process), or None
+    when it cannot be built here (logged once). signatures: function name -> ctypes argtypes of each void function
+    the callers use (other functions keep ctypes' int return)."""
     if name in _loaded:
         return _loaded[name]
     from quantkit.models.loader import cache_root
@@ -76,6 +77,9 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
         if not path.exists():
             _build(source, path)
         lib = ctypes.CDLL(str(path))
+        for fn_name, argtypes in signatures.items():
+            fn = getattr(lib, fn_name)
+            fn.restype, fn.argtypes = None, argtypes
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or ""
         log.warning("CPU kernels %s unavailable (%s %s): using the torch path", name, e, detail[-500:])

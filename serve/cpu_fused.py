@@ -197,15 +197,11 @@ class CpuFusedOps:
     kernels do not cover (another device or dtype, mixed dtypes, the dense [B, L, H, D] layout) take TorchOps."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self.fns = {}
-        for name, argtypes in SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = None, argtypes
-            self.fns[name] = fn
+        self.lib = lib
 
     @classmethod
     def load(cls) -> "CpuFusedOps | None":
-        lib = load_library("fused_ops", C_SOURCE)
+        lib = load_library("fused_ops", C_SOURCE, SIGNATURES)
         return None if lib is None else cls(lib)
 
     # stateless: a copied or unpickled model shares the loaded kernels
@@ -228,9 +224,9 @@ class CpuFusedOps:
             residual = residual.contiguous()
             assert residual.shape == shape
             total = torch.empty(shape, dtype=x.dtype)
-        self.fns["add_rms_norm"](x2.data_ptr(), xs, None if residual is None else residual.data_ptr(),
-                                 None if residual is None else total.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                 n, shape[-1], eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
+        self.lib.add_rms_norm(x2.data_ptr(), xs, None if residual is None else residual.data_ptr(),
+                              None if residual is None else total.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                              n, shape[-1], eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
         return out.view(shape), total
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary):
@@ -241,8 +237,8 @@ class CpuFusedOps:
         positions = positions.to(torch.int64).contiguous()
         n, qs = _rows(q)
         _, ks = _rows(k)
-        self.fns["rope"](q.data_ptr(), qs, q.shape[1], k.data_ptr(), ks, k.shape[1], positions.data_ptr(),
-                         table.data_ptr(), n, q.shape[-1], DTYPE_CODES[q.dtype], torch.get_num_threads())
+        self.lib.rope(q.data_ptr(), qs, q.shape[1], k.data_ptr(), ks, k.shape[1], positions.data_ptr(),
+                      table.data_ptr(), n, q.shape[-1], DTYPE_CODES[q.dtype], torch.get_num_threads())
         return q, k
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -254,8 +250,8 @@ class CpuFusedOps:
         n, gs = _rows(g2)
         _, us = _rows(u2)
         out = torch.empty(g2.shape, dtype=gate.dtype)
-        self.fns["silu_mul"](g2.data_ptr(), gs, u2.data_ptr(), us, out.data_ptr(), n, shape[-1],
-                             DTYPE_CODES[gate.dtype], torch.get_num_threads())
+        self.lib.silu_mul(g2.data_ptr(), gs, u2.data_ptr(), us, out.data_ptr(), n, shape[-1],
+                          DTYPE_CODES[gate.dtype], torch.get_num_threads())
         return out.view(shape)
 
     def kv_store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -265,6 +261,6 @@ class CpuFusedOps:
         _, vs = _rows(v)
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
         row = k.shape[1] * k.shape[2] * k.element_size()
-        self.fns["kv_store"](k.data_ptr(), ks * k.element_size(), v.data_ptr(), vs * v.element_size(),
-                             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), n, row,
-                             torch.get_num_threads())
+        self.lib.kv_store(k.data_ptr(), ks * k.element_size(), v.data_ptr(), vs * v.element_size(),
+                          k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), n, row,
+                          torch.get_num_threads())

@@ -140,6 +140,8 @@ void qgemm_amx(const uint16_t* x, int M, int K, const void* codes, const float* 
 
 _lib = None
 _P, _INT = ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {"qgemm_amx": [_P, _INT, _INT, _P, _P, _INT, _INT, _INT, _INT, _P, _INT],
+              "dequant_bf16": [_P, _P, _INT, _INT, _INT, _INT, _INT, _P, _INT]}
 
 
 def _library():
@@ -153,11 +155,8 @@ def _library():
         except OSError:
             flags = []
         if "amx_bf16" in flags and "amx_tile" in flags:
-            lib = load_library("qgemm_amx", C_SOURCE)
+            lib = load_library("qgemm_amx", C_SOURCE, SIGNATURES)
             if lib is not None and lib.amx_ready():
-                lib.qgemm_amx.restype = lib.dequant_bf16.restype = None
-                lib.qgemm_amx.argtypes = [_P, _INT, _INT, _P, _P, _INT, _INT, _INT, _INT, _P, _INT]
-                lib.dequant_bf16.argtypes = [_P, _P, _INT, _INT, _INT, _INT, _INT, _P, _INT]
                 _lib = lib
     return _lib or None
 
@@ -193,7 +192,7 @@ def matmul(x: torch.Tensor, packed, bits: int) -> torch.Tensor:
         x = torch.cat([x, x.new_zeros(rows - m, k)])
     y = torch.empty(rows, n, dtype=torch.bfloat16)
     _library().qgemm_amx(x.data_ptr(), rows, k, codes.data_ptr(), qparams.data_ptr(), n, qparams.shape[1], gs, bits,
-              y.data_ptr(), torch.get_num_threads())
+                         y.data_ptr(), torch.get_num_threads())
     return y[:m]
 
 
