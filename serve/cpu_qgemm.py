@@ -165,11 +165,10 @@ def available() -> bool:
     return _library() is not None
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int):
-    """codes uint8 [N, K] (groups contiguous), scales/zeros [N, G] -> (codes, qparams, gs) in the kernel's layout,
-    or None when the shape does not fit (N % 16, K % 32, odd group size)."""
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, gs: int):
+    """codes uint8 [N, K] in contiguous groups of gs columns (K for per-channel), scales/zeros [N, G] -> (codes,
+    qparams, gs) in the kernel's layout, or None when the shape does not fit (N % 16, K % 32, odd group size)."""
     n, k = codes.shape
-    gs = k if group_size == -1 else group_size
     if n % 16 or k % 32 or gs % 2 or k % gs or bits not in (4, 8):
         return None
     pairs = codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).to(torch.int32)  # [N/16, K/2, 16, 2]

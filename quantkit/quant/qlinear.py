@@ -149,9 +149,8 @@ class QLinear(nn.Module):
             qt = self.qtensor()
             layout = _contiguous_groups(qt) if cpu_qgemm.available() else None
             if layout is not None:
-                perm, g = layout
-                codes = qt.codes if perm is None else qt.codes[:, perm]
-                packed = cpu_qgemm.pack(codes, qt.scales, qt.zeros, qt.bits, g if g < qt.shape[1] else -1)
+                perm, g, codes = layout
+                packed = cpu_qgemm.pack(codes, qt.scales, qt.zeros, qt.bits, g)
                 if packed is not None:
                     self._amx = ("amx", (perm, packed))
         return None if self._amx[0] == "none" else self._amx
@@ -170,17 +169,19 @@ def _run_amx(kernel: tuple[str, Any], x2: torch.Tensor, bits: int) -> torch.Tens
     return cpu_qgemm.matmul(x2.contiguous(), packed, bits)
 
 
-def _contiguous_groups(qt: QTensor) -> Optional[tuple[Optional[torch.Tensor], int]]:
-    """(perm [K] or None, g) such that input columns x[:, perm] fall in contiguous groups of g in group order;
-    None when act-order groups differ in size (no permutation makes them contiguous runs of one length)."""
+def _contiguous_groups(qt: QTensor) -> Optional[tuple[Optional[torch.Tensor], int, torch.Tensor]]:
+    """(perm [K] or None, g, codes[:, perm] [N, K]) such that input columns x[:, perm] fall in contiguous groups of
+    g in group order; None when act-order groups differ in size (no permutation makes them contiguous runs of one
+    length)."""
     n, k = qt.shape
     g = k if qt.group_size == -1 else qt.group_size
     if qt.g_idx is None:
-        return None, g
+        return None, g, qt.codes
     counts = torch.bincount(qt.g_idx.to(torch.int64), minlength=num_groups(k, qt.group_size))
     if not bool((counts == g).all()):
         return None
-    return torch.argsort(qt.g_idx, stable=True), g
+    perm = torch.argsort(qt.g_idx, stable=True)
+    return perm, g, qt.codes[:, perm]
 
 
 def _tinygemm_group(g: int, k: int) -> Optional[int]:
@@ -201,8 +202,7 @@ def _build_cpu_kernel(qt: QTensor, int8_weight: Optional[torch.Tensor] = None) -
     layout = _contiguous_groups(qt)
     if layout is None:
         return None
-    perm, g = layout
-    codes = qt.codes if perm is None else qt.codes[:, perm]  # [N, K], groups now contiguous in order
+    perm, g, codes = layout  # codes [N, K], groups now contiguous in order
     tg = _tinygemm_group(g, k)
     if tg is None or n % 16 or k % 2:
         return None
