@@ -213,6 +213,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._last = None  # (positions, dtype, inv_freq, (cos, sin)) of the latest call
         self._table = torch.empty(0)  # [P, D] fp32 cos | sin of positions 0 .. P-1, grown on demand
+        self._table_key = (None, None)  # (positions, inv_freq) the table was last checked against
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [...] -> cos, sin [..., 1, D] in `dtype` (angles computed in fp32). Every layer of one forward
@@ -230,14 +231,14 @@ class RotaryEmbedding(nn.Module):
     def table(self, positions: torch.Tensor) -> torch.Tensor:
         """fp32 [P, D], row p = cos(p * inv_freq) | sin(p * inv_freq) (the angles forward() uses), P > max
         position. Checked once per forward (same positions tensor), grown by doubling."""
-        last = self._last
-        if not (last is not None and last[0] is positions and last[1] is None and last[2] is self.inv_freq):
-            need = int(positions.max()) + 1
-            if self._table.shape[0] < need or self._table.device != self.inv_freq.device:
-                size = max(need, 2 * self._table.shape[0], 256)
-                freqs = torch.arange(size, device=self.inv_freq.device).to(torch.float32)[:, None] * self.inv_freq
-                self._table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
-            self._last = (positions, None, self.inv_freq, None)
+        if self._table_key[0] is positions and self._table_key[1] is self.inv_freq:
+            return self._table
+        need = int(positions.max()) + 1
+        if self._table.shape[0] < need or self._table_key[1] is not self.inv_freq:
+            size = max(need, 2 * self._table.shape[0], 256)
+            freqs = torch.arange(size, device=self.inv_freq.device).to(torch.float32)[:, None] * self.inv_freq
+            self._table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+        self._table_key = (positions, self.inv_freq)
         return self._table
 
 
