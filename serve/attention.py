@@ -74,7 +74,7 @@ class TorchPagedAttention:
         # q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]
         k_cache, v_cache = self.kv_caches[layer_idx]
         num_blocks, block_size, hkv, d = k_cache.shape
-        if self.fused_ops is not None and k.dtype == k_cache.dtype:
+        if self.fused_ops is not None:
             self.fused_ops.kv_store(k, v, k_cache, v_cache, self.meta.slot_mapping)
         else:
             k_cache.view(-1, hkv, d).index_copy_(0, self.meta.slot_mapping, k)

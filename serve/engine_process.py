@@ -108,31 +108,30 @@ class EngineProcess(EngineFrontend):
             self._proc.wait()
 
     def _read(self) -> None:
-        """The reader thread: child messages -> streams, until "stopped" or the socket closes."""
-        end = _END
+        """The reader thread: child messages -> streams, until "stopped" or the socket closes; open streams then
+        end (with an EngineDeadError when the child died)."""
         try:
             while True:
-                msg = self._conn.recv()
-                kind = msg[0]
+                kind, *rest = self._conn.recv()
                 if kind == "step":
-                    self._stats = msg[2]
-                    self._deliver_step(msg[1])
-                elif kind == "stats" or kind == "stopped":
-                    self._stats = msg[1]
+                    self._stats = rest[1]
+                    self._deliver_step(rest[0])
+                elif kind in ("stats", "stopped"):
+                    self._stats = rest[0]
                     if kind == "stopped":
-                        return
+                        break
                 elif kind == "refused":
-                    self._close(msg[1], ValueError(msg[2]))
-                elif kind == "dead":
-                    raise EngineDeadError(msg[1])
-        except (EOFError, OSError, EngineDeadError) as e:
-            if isinstance(e, EngineDeadError) or not self._stopping:
-                self.errored = e if isinstance(e, EngineDeadError) else EngineDeadError(
-                    f"the engine process exited (code {self._proc.wait()})")
-                log.error("the engine is stopped: %s", self.errored)
-                end = EngineDeadError(f"the engine failed: {self.errored!r}")
+                    self._close(rest[0], ValueError(rest[1]))
+                else:  # "dead"
+                    self.errored = EngineDeadError(rest[0])
+                    break
+        except (EOFError, OSError):
+            if not self._stopping:
+                self.errored = EngineDeadError(f"the engine process exited (code {self._proc.wait()})")
         finally:
-            self._fail_all(end)
+            if self.errored is not None:
+                log.error("the engine is stopped: %s", self.errored)
+            self._fail_all(_END if self.errored is None else EngineDeadError(f"the engine failed: {self.errored!r}"))
 
 
 # ---- the child ------------------------------------------------------------------------------------------------
