@@ -1,5 +1,5 @@
 """quant/qlinear.py: QLinear keeps the exact QTensor, its reference forward is dequantize-then-matmul, and every CPU
-packed-kernel path (torch's per-row kernels, the AMX dequant-GEMM of serve/cpu_qgemm.py) reproduces
+packed-kernel path (torch's per-row kernels, the AMX dequant-GEMM of serve/cpu_gemm.py) reproduces
 dequantize(qt) @ x.
 
 Exactness of the fast paths: the kernels take bf16 inputs and bf16 scale/zero terms and return bf16, so with power-of-two
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.config import QuantScheme
-from quantkit.quant.qlinear import _AMX_MAX_M, _AMX_MIN_M, QLinear
-from quantkit.serve import cpu_qgemm
+from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
+from quantkit.serve import cpu_gemm
 from quantkit.quant.scheme import QTensor, dequantize, fit_qparams, quantize, quantize_rtn
 
 
@@ -74,7 +74,7 @@ def test_fp32_forward_is_dequantize_then_matmul(case):
     assert torch.equal(layer(x), F.linear(x, dequantize(qt), bias))
 
 
-needs_amx = pytest.mark.skipif(not cpu_qgemm.available(), reason="the CPU has no AMX (or Linux refused it)")
+needs_amx = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU has no AMX (or Linux refused it)")
 
 
 # rows per call: below _AMX_MIN_M torch's packed kernel of each kind; 24 (padded to 32: two AMX row tiles) the AMX
@@ -120,15 +120,19 @@ def test_cpu_kernel_matches_reference_on_random_inputs(case, rows):
 @needs_amx
 @pytest.mark.parametrize("case", ["w4g64-asym", "w8g32-sym-act", "w8ch-asym"])
 def test_amx_prefill_rows_use_a_bit_identical_dequantization(case):
+    """Prefill-sized calls dequantize the whole weight (C) and run the bf16 AMX GEMM on it: the weight equals
+    dequantize(qt, bf16) and the output equals that GEMM on the reference weight."""
     n, k, bits, g, sym, act, _ = FAST[case]
     qt = make_qtensor(n, k, bits, g, sym, act, seed=8)
     layer = QLinear.from_qtensor(qt)
-    x = torch.randn(_AMX_MAX_M + 1, k).bfloat16()
+    x = torch.randn(cpu_gemm._FUSED_MAX_M + 1, k).bfloat16()
     perm, packed = layer._amx_kernel()[1]
-    w = cpu_qgemm.dequantize_bf16(packed, bits).clone()
+    w = cpu_gemm.unpack_bf16(cpu_gemm.dequantize_vnni(packed, bits))
     reference = dequantize(qt, torch.bfloat16)
-    assert torch.equal(w, reference if perm is None else reference[:, perm])
-    assert torch.equal(layer(x), F.linear(x if perm is None else x[:, perm], w))
+    reference = reference if perm is None else reference[:, perm]
+    assert torch.equal(w, reference)
+    xp = x if perm is None else x[:, perm].contiguous()
+    assert torch.equal(layer(x), cpu_gemm.matmul_bf16(xp, cpu_gemm.pack_bf16(reference)))
 
 
 def test_fp32_many_rows_take_the_dequantize_path():

@@ -11,10 +11,10 @@ The QTensor is rebuilt exactly from these (`qtensor()`), so checkpoint writers s
 
 Forward, chosen per call:
   CUDA              quantkit.kernels.qgemm: prepare(qtensor) once per device, matmul(x, prepared) per call.
-  CPU with AMX, bfloat16, M >= _AMX_MIN_M   serve/cpu_qgemm.py: dequantize a block of 16 columns into L2 and
-                    run AMX tile matmuls on it (its own packed copy: ~0.63 B/weight at 4 bit); 1.2x faster than a
-                    bf16 matmul at 64 rows, where torch's per-row kernels are 6-8x slower. Above _AMX_MAX_M rows
-                    (prefill) its C dequantization to bf16, then oneDNN's matmul
+  CPU with AMX, bfloat16, M >= _AMX_MIN_M   serve/cpu_gemm.py: dequantize pairs of 16-column blocks into L2 and
+                    run AMX tile matmuls on them (its own packed copy: ~0.63 B/weight at 4 bit), where torch's
+                    per-row kernels are 6-8x slower than a bf16 matmul at 64 rows; at prefill sizes one C
+                    dequantization of the whole weight, then the same AMX GEMM
   CPU, bfloat16, few rows (M <= _KERNEL_MAX_M)   torch's packed CPU kernels, repacked once per device (a second
                     copy of the codes: ~0.56 B/weight at 4 bit, ~1.1 for int8_hilo; the int8 path reuses qweight):
       4-bit         _weight_int4pack_mm_for_cpu (tinygemm: w = s * (q - 8) + zf with zf = s * (8 - z))
@@ -41,9 +41,9 @@ from quantkit.quant.scheme import QTensor, dequantize, num_groups, pack_nibbles,
 # a kernel costs ~22 us per row per 0.9M weights (~45 us for the two-call int8_hilo), one dequantization ~2 ms).
 _KERNEL_MAX_M = {"int4": 64, "int8": 64, "int8_hilo": 32}
 _TINYGEMM_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
-# CPUs with AMX (serve/cpu_qgemm.py): below _AMX_MIN_M rows torch's per-row kernel skips the dequantization and
-# wins; up to _AMX_MAX_M the AMX dequant-GEMM; above, its C dequantization + oneDNN's matmul (bench/qlinear_cpu.py)
-_AMX_MIN_M, _AMX_MAX_M = 5, 1024
+# CPUs with AMX (serve/cpu_gemm.py): below _AMX_MIN_M rows torch's per-row kernel skips the dequantization and
+# wins; from there the AMX dequant-GEMM (bench/qlinear_cpu.py)
+_AMX_MIN_M = 5
 
 
 class QLinear(nn.Module):
@@ -144,29 +144,26 @@ class QLinear(nn.Module):
         """Build (once) the AMX dequant-GEMM's packed weight; None without AMX or for shapes it does not take."""
         if self._amx is None:
             self._amx = ("none", None)
-            from quantkit.serve import cpu_qgemm
+            from quantkit.serve import cpu_gemm
 
             qt = self.qtensor()
-            layout = _contiguous_groups(qt) if cpu_qgemm.available() else None
+            layout = _contiguous_groups(qt) if cpu_gemm.available() else None
             if layout is not None:
                 perm, g, codes = layout
-                packed = cpu_qgemm.pack(codes, qt.scales, qt.zeros, qt.bits, g)
+                packed = cpu_gemm.pack_quantized(codes, qt.scales, qt.zeros, qt.bits, g)
                 if packed is not None:
                     self._amx = ("amx", (perm, packed))
         return None if self._amx[0] == "none" else self._amx
 
 
 def _run_amx(kernel: tuple[str, Any], x2: torch.Tensor, bits: int) -> torch.Tensor:
-    """x2 [M, K] bf16 -> [M, N] bf16 through serve/cpu_qgemm.py: its AMX GEMM up to _AMX_MAX_M rows, above that its
-    dequantization (C, ~10x faster than dequantize()'s torch ops) and oneDNN's matmul."""
-    from quantkit.serve import cpu_qgemm
+    """x2 [M, K] bf16 -> [M, N] bf16 through serve/cpu_gemm.py's AMX dequant-GEMM."""
+    from quantkit.serve import cpu_gemm
 
     perm, packed = kernel[1]
     if perm is not None:
         x2 = x2.index_select(1, perm)  # act-order: columns into group order
-    if x2.shape[0] > _AMX_MAX_M:
-        return F.linear(x2, cpu_qgemm.dequantize_bf16(packed, bits))
-    return cpu_qgemm.matmul(x2.contiguous(), packed, bits)
+    return cpu_gemm.matmul_quantized(x2.contiguous(), packed, bits)
 
 
 def _contiguous_groups(qt: QTensor) -> Optional[tuple[Optional[torch.Tensor], int, torch.Tensor]]:

@@ -1,0 +1,84 @@
+"""serve/cpu_gemm.py (AMX tile GEMMs) and serve/cpu_linear.py (PackedLinear) against independent references.
+
+Exactness: one-hot input rows select single weights; an fp32 sum of one bf16 product rounded back to bf16 is that
+weight exactly, so the identity matrix through the GEMM must reproduce W.T bit for bit (every tile, padded last
+row tile, row chunk and odd column block included). Random inputs are then held to the fp32 reference within bf16
+output rounding plus fp32 accumulation error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.serve import cpu_gemm
+from quantkit.serve.cpu_linear import PackedLinear
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU has no AMX (or Linux refused it)")
+
+# N = 48: three 16-column blocks (a pair and a lone block); K = 320: ten 32-deep tile steps
+N, K = 48, 320
+
+
+def weight(n=N, k=K, seed=0) -> torch.Tensor:
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05).bfloat16()
+
+
+def test_pack_round_trip_and_unfit_shapes():
+    w = weight()
+    packed = cpu_gemm.pack_bf16(w)
+    assert packed.shape == (N // 16, K // 2, 16)
+    assert torch.equal(cpu_gemm.unpack_bf16(packed), w)
+    # element [b, r, n]: W[16b + n, 2r] in the low half, W[16b + n, 2r + 1] in the high half
+    bits = w.view(torch.int16).to(torch.int32) & 0xFFFF
+    assert int(packed[2, 5, 3]) & 0xFFFF == int(bits[35, 10]) and (int(packed[2, 5, 3]) >> 16) & 0xFFFF == int(bits[35, 11])
+    assert cpu_gemm.pack_bf16(weight(40, K)) is None and cpu_gemm.pack_bf16(weight(N, 48)) is None
+
+
+# rows: a padded single row, a partial second row tile, exact tiles, partial tiles across row chunks
+@pytest.mark.parametrize("rows", [1, 17, 32, 40, 128, 161, 300])
+def test_one_hot_rows_reproduce_the_weight_exactly(rows):
+    w = weight()
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    index = torch.arange(rows) % K
+    y = cpu_gemm.matmul_bf16(eye[index].contiguous(), cpu_gemm.pack_bf16(w))
+    assert torch.equal(y, w.T[index])
+
+
+@pytest.mark.parametrize("rows", [3, 64, 257])
+def test_random_rows_match_the_fp32_reference(rows):
+    w = weight(seed=1)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    y = cpu_gemm.matmul_bf16(x, cpu_gemm.pack_bf16(w))
+    ref = x.float() @ w.float().T
+    # bf16 output rounding (2^-8 relative) + fp32 accumulation over K terms
+    bound = 2**-8 * ref.abs() + K * 2**-23 * (x.float().abs() @ w.float().abs().T)
+    assert bool(((y.float() - ref).abs() <= bound).all())
+
+
+def test_packed_linear_matches_nn_linear():
+    linear = nn.Linear(K, N, bias=True).bfloat16()
+    x = torch.randn(2, 5, K).bfloat16()
+    layer = PackedLinear(linear, batch_hint=64)
+    assert layer.vnni is not None
+    y = layer(x)
+    ref = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+    assert y.shape == (2, 5, N) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2**-7)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_paths_agree_bit_for_bit(bits):
+    """Above _FUSED_MAX_M rows the whole weight is dequantized first; below, per block pair: the same bf16 weights
+    and the same tile sums, so the outputs are equal."""
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (N, K), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(N, K // 32, generator=gen) * 0.01 + 0.001).half()
+    zeros = torch.randint(0, 2**bits, (N, K // 32), generator=gen, dtype=torch.uint8)
+    packed = cpu_gemm.pack_quantized(codes, scales, zeros, bits, 32)
+    rows = cpu_gemm._FUSED_MAX_M + 20
+    x = torch.randn(rows, K, generator=gen).bfloat16()
+    whole = cpu_gemm.matmul_quantized(x, packed, bits)
+    parts = torch.cat([cpu_gemm.matmul_quantized(part.contiguous(), packed, bits) for part in x.split(100)])
+    assert torch.equal(whole, parts)
