@@ -1,13 +1,21 @@
-"""Serving-time nn.Linear for CPU bf16: the weight reordered once for the matmul kernel, instead of on every call as
-aten's mm does. On CPUs with AMX the VNNI layout of serve/cpu_gemm.py (its tile GEMM: 1.5x oneDNN's at decode
-batch sizes), otherwise oneDNN's blocked layout (AMX/AVX-512 BF16 kernels). Same products and fp32 accumulation
-as nn.Linear."""
+"""Serving-time linears for CPU bf16.
+
+PackedLinear: the weight reordered once for the matmul kernel, instead of on every call as aten's mm does. On CPUs
+with AMX the VNNI layout of serve/cpu_gemm.py (its tile GEMM: 1.5x oneDNN's at decode batch sizes), otherwise
+oneDNN's blocked layout (AMX/AVX-512 BF16 kernels). Same products and fp32 accumulation as nn.Linear.
+
+FusedLinear (AMX only): the linears that read one input (q/k/v, gate/up) as one GEMM on their weights concatenated
+along N; one call instead of three per layer, and the small k/v projections no longer leave a thread idle.
+"""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
 
+from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
 from quantkit.serve import cpu_gemm
 
 
@@ -41,3 +49,80 @@ def pack_linears(model: nn.Module, batch_hint: int) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, batch_hint))
     return len(swaps)
+
+
+class FusedLinear(nn.Module):
+    """Parts (all PackedLinear on the VNNI layout, or all QLinear with the same AMX packing) as one GEMM. forward
+    returns the parts' outputs as column views of one [..., sum N] result. Each part's own kernel weight becomes a
+    view into the concatenation, so the parts still run alone and nothing is stored twice."""
+
+    def __init__(self, parts: list[nn.Module], weight, bits: int, perm: Optional[torch.Tensor]):
+        super().__init__()
+        self.parts = tuple(parts)  # a tuple: not registered as submodules again
+        self.in_features = parts[0].in_features
+        self.sizes = [p.out_features for p in parts]
+        self.weight, self.bits, self.perm = weight, bits, perm  # bits 16: bf16 VNNI; else (codes, qparams, gs)
+        biases = [p.bias for p in parts]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(p.out_features, dtype=torch.bfloat16) if b is None else b.to(torch.bfloat16)
+             for p, b in zip(parts, biases)])
+
+    @classmethod
+    def of(cls, parts: list[nn.Module]) -> Optional["FusedLinear"]:
+        """The fused module, or None when the parts do not share one AMX packing."""
+        if all(isinstance(p, PackedLinear) and p.vnni is not None for p in parts):
+            weight = torch.cat([p.vnni for p in parts])
+            for p, view in zip(parts, weight.split([p.vnni.shape[0] for p in parts])):
+                p.vnni = view
+            return cls(parts, weight, 16, None)
+        if not all(isinstance(p, QLinear) for p in parts):
+            return None
+        kernels = [p._amx_kernel() for p in parts]
+        if any(k is None for k in kernels):
+            return None
+        perms = [k[1][0] for k in kernels]
+        packs = [k[1][1] for k in kernels]  # (codes, qparams, gs)
+        same_perm = all(q is None for q in perms) or all(q is not None and torch.equal(q, perms[0]) for q in perms)
+        same_pack = len({(p.bits, pk[2], pk[1].shape[1]) for p, pk in zip(parts, packs)}) == 1
+        if not (same_perm and same_pack):
+            return None
+        codes = torch.cat([pk[0] for pk in packs])
+        qparams = torch.cat([pk[1] for pk in packs])
+        blocks = [pk[0].shape[0] for pk in packs]
+        for p, perm, c, q in zip(parts, perms, codes.split(blocks), qparams.split(blocks)):
+            p._amx = ("amx", (perm, (c, q, packs[0][2])))
+        return cls(parts, (codes, qparams, packs[0][2]), parts[0].bits, perms[0])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # x [..., K] bf16 -> one [..., N_i] view per part
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.bits != 16 and x2.shape[0] < _AMX_MIN_M:  # few rows: the parts' own per-row kernels
+            return tuple(p(x) for p in self.parts)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)  # act-order: columns into group order
+        x2 = x2.contiguous()
+        if self.bits == 16:
+            y = cpu_gemm.matmul_bf16(x2, self.weight)
+        else:
+            y = cpu_gemm.matmul_quantized(x2, self.weight, self.bits)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*lead, sum(self.sizes)).split(self.sizes, dim=-1)
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Give each attention block a qkv_proj and each MLP a gate_up_proj FusedLinear where their parts fuse (the
+    model's forward then calls those); returns how many were fused."""
+    from quantkit.models.llama import MLP, Attention
+
+    fused = 0
+    for module in list(model.modules()):
+        if isinstance(module, (Attention, MLP)):
+            name, parts = (("qkv_proj", [module.q_proj, module.k_proj, module.v_proj]) if isinstance(module, Attention)
+                           else ("gate_up_proj", [module.gate_proj, module.up_proj]))
+            fusion = FusedLinear.of(parts)
+            # a plain attribute, not a submodule: it holds no parameters, and the model's state stays as loaded
+            object.__setattr__(module, name, fusion)
+            fused += fusion is not None
+    return fused

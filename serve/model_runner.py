@@ -16,12 +16,13 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.serve import cpu_gemm
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, TritonPagedAttention
 from quantkit.serve.capacity import capacity_line, kv_bytes_per_token, num_kv_blocks
 from quantkit.serve.config import EngineConfig
 from quantkit.serve.cpu_attention import load_decode_kernel
 from quantkit.serve.cpu_fused import CpuFusedOps
-from quantkit.serve.cpu_linear import can_pack, pack_linears
+from quantkit.serve.cpu_linear import can_pack, fuse_projections, pack_linears
 from quantkit.serve.scheduler import ScheduledSeq, SchedulerOutput
 from quantkit.serve.sequence import Sequence
 
@@ -71,7 +72,9 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.block_size = engine_cfg.block_size
         if can_pack(dtype, self.device):
-            log.info("prepacked %d Linear weights for oneDNN (bf16)", pack_linears(model, engine_cfg.max_num_batched_tokens))
+            log.info("prepacked %d Linear weights (bf16)", pack_linears(model, engine_cfg.max_num_batched_tokens))
+        if self.device.type == "cpu" and dtype == torch.bfloat16 and cpu_gemm.available():
+            log.info("fused %d q/k/v and gate/up projections", fuse_projections(model))
         self.fused_ops = CpuFusedOps.load() if self.device.type == "cpu" and engine_cfg.attention_backend == "auto" \
             else None
         if self.fused_ops is not None:

@@ -1,4 +1,4 @@
-"""serve/cpu_gemm.py (AMX tile GEMMs) and serve/cpu_linear.py (PackedLinear) against independent references.
+"""serve/cpu_gemm.py (AMX tile GEMMs) and serve/cpu_linear.py (PackedLinear, FusedLinear) against independent references.
 
 Exactness: one-hot input rows select single weights; an fp32 sum of one bf16 product rounded back to bf16 is that
 weight exactly, so the identity matrix through the GEMM must reproduce W.T bit for bit (every tile, padded last
@@ -12,8 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.config import QuantScheme
+from quantkit.models.llama import LlamaForCausalLM, ModelConfig
+from quantkit.quant.qlinear import QLinear
+from quantkit.quant.scheme import quantize_rtn
 from quantkit.serve import cpu_gemm
-from quantkit.serve.cpu_linear import PackedLinear
+from quantkit.serve.cpu_linear import FusedLinear, PackedLinear, fuse_projections, pack_linears
+from tests.conftest import tiny_hf_config
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU has no AMX (or Linux refused it)")
 
@@ -82,3 +87,47 @@ def test_quantized_paths_agree_bit_for_bit(bits):
     whole = cpu_gemm.matmul_quantized(x, packed, bits)
     parts = torch.cat([cpu_gemm.matmul_quantized(part.contiguous(), packed, bits) for part in x.split(100)])
     assert torch.equal(whole, parts)
+
+
+def tiny_model(quantized_bits: int | None):
+    """The tiny llama (hidden 64, q/k/v 64/32/32, MLP 128: every N a multiple of 16) in bf16, its linears
+    PackedLinear, or RTN-quantized QLinear (group 32)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig.from_hf(tiny_hf_config("llama"))).bfloat16().eval()
+    if quantized_bits is None:
+        pack_linears(model, batch_hint=64)
+        return model
+    scheme = QuantScheme(bits=quantized_bits, group_size=32, sym=False)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, QLinear.from_qtensor(quantize_rtn(child.weight.detach().float(), scheme)))
+    return model
+
+
+@pytest.mark.parametrize("bits", [None, 4, 8])
+@pytest.mark.parametrize("tokens", [3, 21])  # W4/W8 below _AMX_MIN_M rows: the parts' own kernels
+def test_fused_projections_give_the_unfused_outputs_bit_for_bit(bits, tokens):
+    """Column blocks of a GEMM are computed independently, so one GEMM over q|k|v (gate|up) equals the three (two)
+    separate ones exactly; the model's logits must not move at all."""
+    model = tiny_model(bits)
+    ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        before = model(ids)
+        assert fuse_projections(model) == 4  # 2 layers x (qkv, gate_up)
+        attn = model.model.layers[0].self_attn
+        assert isinstance(attn.qkv_proj, FusedLinear) and attn.qkv_proj.sizes == [64, 32, 32]
+        after = model(ids)
+        alone = model.model.layers[1].mlp.gate_proj(torch.randn(5, 64).bfloat16())  # parts still run on their own
+    assert torch.equal(after, before)
+    assert alone.shape == (5, 128)
+
+
+def test_projections_with_different_packings_stay_apart():
+    model = tiny_model(4)
+    attn = model.model.layers[0].self_attn
+    scheme = QuantScheme(bits=8, group_size=32, sym=False)
+    attn.v_proj = QLinear.from_qtensor(quantize_rtn(torch.randn(32, 64), scheme))
+    fuse_projections(model)
+    assert attn.qkv_proj is None and model.model.layers[0].mlp.gate_up_proj is not None

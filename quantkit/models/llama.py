@@ -149,6 +149,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     ops = TorchOps
+    qkv_proj = None  # a serving runner may set one module computing (q, k, v) (serve/cpu_linear.py)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, linear_cls: Callable[..., nn.Module]):
         super().__init__()
@@ -163,9 +164,10 @@ class Attention(nn.Module):
     def forward(self, x, positions, rotary, attn: Optional[AttentionBackend]):
         # x [*lead, H] with lead = (B, L) dense or (T,) paged; positions [*lead] or [L]
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(*lead, self.n_heads, self.head_dim)
+        k = k.view(*lead, self.n_kv, self.head_dim)
+        v = v.view(*lead, self.n_kv, self.head_dim)
         q, k = self.ops.rope(q, k, positions, rotary)
         if attn is None:
             # dense causal: [B, L, H, D] -> [B, H, L, D]
@@ -180,6 +182,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     ops = TorchOps
+    gate_up_proj = None  # a serving runner may set one module computing (gate, up) (serve/cpu_linear.py)
 
     def __init__(self, cfg: ModelConfig, linear_cls: Callable[..., nn.Module]):
         super().__init__()
@@ -188,7 +191,8 @@ class MLP(nn.Module):
         self.down_proj = linear_cls(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
