@@ -24,6 +24,40 @@ FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-mat
          "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the `dtype` argument of every kernel
 
+# silu(a) * u in fp32, shared by cpu_fused's silu_mul and cpu_gemm's gate/up epilogue so both round alike. With
+# -std=c11 gcc does not contract a * b + c into an FMA, so the vectorised and scalar forms give the same bits.
+C_SILU = r"""
+/* e^x for x <= 80 (clamped there), relative error ~2e-7, in plain arithmetic the compiler vectorises (libm's expf is a scalar call) */
+static inline float exp_approx(float x) {
+  x = x < -87.f ? -87.f : x;
+  x = x > 80.f ? 80.f : x;  /* e^80 < 2^116 keeps recip() in range */
+  const float t = x * 1.4426950408889634f;
+  const int32_t it = (int32_t)t - (t < 0.f);  /* floor (an exact negative integer gives f = 1: still exact) */
+  const float f = t - (float)it;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (it + 127) << 23;
+  float scale; memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+/* 1/x for x in [1, 2^126): a bit-trick guess refined by three Newton steps (~1e-7); vector division is ~7x
+   slower than this on the project's CPU */
+static inline float recip(float x) {
+  int32_t b; memcpy(&b, &x, 4); b = 0x7EF311C7 - b;
+  float r; memcpy(&r, &b, 4);
+  r = r * (2.f - x * r); r = r * (2.f - x * r); r = r * (2.f - x * r);
+  return r;
+}
+
+static inline float silu_times(float a, float u) { return a * u * recip(1.f + exp_approx(-a)); }
+"""
+
 # fp32 <-> the 16-bit types, shared by the kernels' sources (bf16 rounds to nearest even, as torch does)
 C_DTYPES = r"""
 #include <stdint.h>

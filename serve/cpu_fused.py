@@ -19,9 +19,9 @@ import ctypes
 import torch
 
 from quantkit.models.llama import TorchOps
-from quantkit.serve.cpu_build import C_DTYPES, DTYPE_CODES, load_library
+from quantkit.serve.cpu_build import C_DTYPES, C_SILU, DTYPE_CODES, load_library
 
-C_SOURCE = C_DTYPES + r"""
+C_SOURCE = C_DTYPES + C_SILU + r"""
 #include <math.h>
 
 /* Each kernel is written once as a macro over the element type and its load/store, then instantiated for the
@@ -35,25 +35,6 @@ C_SOURCE = C_DTYPES + r"""
 #define LD_F16(p, i) ((float)(p)[i])
 #define ST_F16(p, i, v) ((p)[i] = (_Float16)(v))
 #define RND_F16(v) ((float)(_Float16)(v))
-
-/* e^x for x <= 80 (clamped there), relative error ~2e-7, in plain arithmetic the compiler vectorises (libm's expf is a scalar call) */
-static inline float exp_approx(float x) {
-  x = x < -87.f ? -87.f : x;
-  x = x > 80.f ? 80.f : x;  /* e^80 < 2^116 keeps recip() in range */
-  const float t = x * 1.4426950408889634f;
-  const int32_t it = (int32_t)t - (t < 0.f);  /* floor (an exact negative integer gives f = 1: still exact) */
-  const float f = t - (float)it;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (it + 127) << 23;
-  float scale; memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
 /* x [T, H] (row stride xs), residual [T, H] contiguous or NULL, weight [H] -> out, sum [T, H] contiguous */
 #define ADD_RMS_NORM(SUF, T, LD, ST, RND)                                                                          \
@@ -102,15 +83,6 @@ static void rope_##SUF(T* q, int64_t qs, int hq, T* k, int64_t ks, int hk, const
   }                                                                                                            \
 }
 
-/* 1/x for x in [1, 2^126): a bit-trick guess refined by three Newton steps (~1e-7); vector division is ~7x
-   slower than this on the project's CPU */
-static inline float recip(float x) {
-  int32_t b; memcpy(&b, &x, 4); b = 0x7EF311C7 - b;
-  float r; memcpy(&r, &b, 4);
-  r = r * (2.f - x * r); r = r * (2.f - x * r); r = r * (2.f - x * r);
-  return r;
-}
-
 /* gate, up [T, I] (row strides gs, us) -> out [T, I] contiguous */
 #define SILU_MUL(SUF, T, LD, ST)                                                                              \
 static void silu_mul_##SUF(const T* g, int64_t gs, const T* u, int64_t us, T* out, int n, int m, int threads) { \
@@ -118,7 +90,7 @@ static void silu_mul_##SUF(const T* g, int64_t gs, const T* u, int64_t us, T* ou
   for (int t = 0; t < n; t++) {                                                                                \
     const T* gr = g + (int64_t)t * gs; const T* ur = u + (int64_t)t * us; T* o = out + (int64_t)t * m;        \
     _Pragma("omp simd")                                                                                        \
-    for (int i = 0; i < m; i++) { const float a = LD(gr, i); ST(o, i, a * LD(ur, i) * recip(1.f + exp_approx(-a))); }     \
+    for (int i = 0; i < m; i++) ST(o, i, silu_times(LD(gr, i), LD(ur, i)));                                  \
   }                                                                                                            \
 }
 

@@ -25,9 +25,9 @@ import threading
 
 import torch
 
-from quantkit.serve.cpu_build import load_library
+from quantkit.serve.cpu_build import C_DTYPES, C_SILU, load_library
 
-C_SOURCE = r"""
+C_SOURCE = C_DTYPES + C_SILU + r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -66,9 +66,11 @@ static uint16_t* pad_tail(const uint16_t* x, int M, int K) {
 }
 
 /* y[m_begin:m_end, col:col + 16 nb] (row stride N) = x[m_begin:m_end] @ [b0 | b1]; b0, b1: VNNI blocks [K/2][16]
-   of 16 columns each, nb = 1 (b0 only) or 2; m_begin % 32 == 0; row tiles past M / 16 full ones read xpad */
+   of 16 columns each, nb = 1 (b0 only) or 2; m_begin % 32 == 0; row tiles past M / 16 full ones read xpad.
+   act (nb = 2): y[:, col:col + 16] = silu(x @ b0) * (x @ b1) instead, each product rounded to bf16 first, as the
+   unfused gate/up projections and cpu_fused's silu_mul compute it. */
 static void amx_rows(const uint16_t* x, const uint16_t* xpad, int M, int K, int m_begin, int m_end,
-                     const uint32_t* b0, const uint32_t* b1, int nb, uint16_t* y, int64_t N, int col) {
+                     const uint32_t* b0, const uint32_t* b1, int nb, uint16_t* y, int64_t N, int col, int act) {
   float c[4][256] __attribute__((aligned(64)));
   const int64_t xs = (int64_t)K * 2;
   const int full = M / 16;
@@ -98,7 +100,15 @@ static void amx_rows(const uint16_t* x, const uint16_t* xpad, int M, int K, int 
       for (int i = 0; i < rows; i++) {
         uint16_t* out = y + (int64_t)(r0 + i) * N + col;
         const __m512 lo = _mm512_load_ps(c[2 * h] + i * 16);
-        if (nb == 2)
+        if (act) {
+          const float* g = c[2 * h] + i * 16;
+          const float* u = c[2 * h + 1] + i * 16;
+          float v[16] __attribute__((aligned(64)));
+          #pragma omp simd
+          for (int j = 0; j < 16; j++)
+            v[j] = silu_times(bf16_to_f32(f32_to_bf16(g[j])), bf16_to_f32(f32_to_bf16(u[j])));
+          _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(v)));
+        } else if (nb == 2)
           _mm512_storeu_si512((__m512i*)out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c[2 * h + 1] + i * 16), lo));
         else
           _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(lo));
@@ -107,10 +117,12 @@ static void amx_rows(const uint16_t* x, const uint16_t* xpad, int M, int K, int 
   }
 }
 
-/* y [M, N] bf16 = x [M, K] bf16 @ W^T, W in the VNNI layout */
-void gemm_bf16(const uint16_t* x, int M, int K, const uint32_t* w, int N, uint16_t* y, int threads) {
+/* y [M, N] bf16 = x [M, K] bf16 @ W^T, W in the VNNI layout with `ws` uint32 from one block to the next; act: W's
+   blocks alternate gate, up and y [M, N / 2] = silu(gate) * up */
+void gemm_bf16(const uint16_t* x, int M, int K, const uint32_t* w, int64_t ws, int N, uint16_t* y, int threads,
+               int act) {
   const int nblocks = N / 16, pairs = (nblocks + 1) / 2;
-  const int64_t block = (int64_t)(K / 2) * 16;
+  const int64_t yn = act ? N / 2 : N;
   uint16_t* xpad = pad_tail(x, M, K);
   #pragma omp parallel num_threads(threads)
   {
@@ -119,9 +131,9 @@ void gemm_bf16(const uint16_t* x, int M, int K, const uint32_t* w, int N, uint16
       const int mend = mc + M_CHUNK < M ? mc + M_CHUNK : M;
       #pragma omp for schedule(dynamic) nowait
       for (int p = 0; p < pairs; p++) {
-        const uint32_t* b0 = w + 2 * p * block;
+        const uint32_t* b0 = w + 2 * p * ws;
         const int nb = 2 * p + 1 < nblocks ? 2 : 1;
-        amx_rows(x, xpad, M, K, mc, mend, b0, nb == 2 ? b0 + block : b0, nb, y, N, 32 * p);
+        amx_rows(x, xpad, M, K, mc, mend, b0, nb == 2 ? b0 + ws : b0, nb, y, yn, act ? 16 * p : 32 * p, act);
       }
     }
     _tile_release();
@@ -159,21 +171,22 @@ static void dequant_block(const void* codes, const float* qp, int K, int gs, int
   }
 }
 
-/* the whole quantized weight -> w in the bf16 VNNI layout */
-void dequant_vnni(const void* codes, const float* qp, int N, int K, int G, int gs, int bits, uint32_t* w,
-                  int threads) {
-  const int64_t code_block = (int64_t)(K / 2) * 16 * (bits == 4 ? 1 : 2), block = (int64_t)(K / 2) * 16;
+/* the whole quantized weight (cs bytes of codes, qs floats of qparams from one block to the next) -> w in the
+   bf16 VNNI layout, contiguous */
+void dequant_vnni(const void* codes, int64_t cs, const float* qp, int64_t qs, int N, int K, int gs, int bits,
+                  uint32_t* w, int threads) {
+  const int64_t block = (int64_t)(K / 2) * 16;
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (int b = 0; b < N / 16; b++)
-    dequant_block((const uint8_t*)codes + b * code_block, qp + (int64_t)b * G * 32, K, gs, bits, w + b * block);
+    dequant_block((const uint8_t*)codes + b * cs, qp + b * qs, K, gs, bits, w + b * block);
 }
 
-/* y [M, N] bf16 = x [M, K] bf16 @ dequantize(W)^T: each pair of column blocks is dequantized into an L2 buffer,
-   then every row of x runs on it */
-void qgemm(const uint16_t* x, int M, int K, const void* codes, const float* qp, int N, int G, int gs, int bits,
-           uint16_t* y, int threads) {
+/* y = x [M, K] bf16 @ dequantize(W)^T (block strides and act as dequant_vnni and gemm_bf16): each pair of column
+   blocks is dequantized into an L2 buffer, then every row of x runs on it */
+void qgemm(const uint16_t* x, int M, int K, const void* codes, int64_t cs, const float* qp, int64_t qs, int N, int gs,
+           int bits, uint16_t* y, int threads, int act) {
   const int nblocks = N / 16, pairs = (nblocks + 1) / 2;
-  const int64_t code_block = (int64_t)(K / 2) * 16 * (bits == 4 ? 1 : 2), block = (int64_t)(K / 2) * 16;
+  const int64_t block = (int64_t)(K / 2) * 16, yn = act ? N / 2 : N;
   uint16_t* xpad = pad_tail(x, M, K);
   #pragma omp parallel num_threads(threads)
   {
@@ -183,9 +196,8 @@ void qgemm(const uint16_t* x, int M, int K, const void* codes, const float* qp, 
     for (int p = 0; p < pairs; p++) {
       const int nb = 2 * p + 1 < nblocks ? 2 : 1;
       for (int j = 0; j < nb; j++)
-        dequant_block((const uint8_t*)codes + (2 * p + j) * code_block, qp + (int64_t)(2 * p + j) * G * 32, K, gs,
-                      bits, buf + j * block);
-      amx_rows(x, xpad, M, K, 0, M, buf, buf + block, nb, y, N, 32 * p);
+        dequant_block((const uint8_t*)codes + (2 * p + j) * cs, qp + (2 * p + j) * qs, K, gs, bits, buf + j * block);
+      amx_rows(x, xpad, M, K, 0, M, buf, buf + block, nb, y, yn, act ? 16 * p : 32 * p, act);
     }
     free(buf);
     _tile_release();
@@ -195,10 +207,10 @@ void qgemm(const uint16_t* x, int M, int K, const void* codes, const float* qp, 
 """
 
 _lib = None
-_P, _INT = ctypes.c_void_p, ctypes.c_int
-SIGNATURES = {"gemm_bf16": [_P, _INT, _INT, _P, _INT, _P, _INT],
-              "qgemm": [_P, _INT, _INT, _P, _P, _INT, _INT, _INT, _INT, _P, _INT],
-              "dequant_vnni": [_P, _P, _INT, _INT, _INT, _INT, _INT, _P, _INT]}
+_P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+SIGNATURES = {"gemm_bf16": [_P, _INT, _INT, _P, _I64, _INT, _P, _INT, _INT],
+              "qgemm": [_P, _INT, _INT, _P, _I64, _P, _I64, _INT, _INT, _INT, _P, _INT, _INT],
+              "dequant_vnni": [_P, _I64, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT]}
 # above this many rows the quantized GEMM dequantizes the whole weight once (per-pair dequantization in qgemm
 # keeps the weight in L2 for decode-sized M; at prefill sizes x no longer fits beside it)
 _FUSED_MAX_M = 256
@@ -241,12 +253,20 @@ def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
     return pairs.reshape(blocks * 16, half * 2).view(torch.bfloat16)
 
 
-def matmul_bf16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16 (contiguous) -> [M, N] bf16 with a pack_bf16 weight."""
+def _out_columns(n: int, act: bool) -> int:
+    if act and n % 32:
+        raise ValueError("act needs gate and up blocks in pairs")
+    return n // 2 if act else n
+
+
+def matmul_bf16(x: torch.Tensor, packed: torch.Tensor, act: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 (contiguous) -> [M, N] bf16 with a pack_bf16 weight (or a view of whole blocks of one). act:
+    the blocks alternate gate and up, and the result is silu(gate) * up [M, N / 2]."""
     m, k = x.shape
     n = packed.shape[0] * 16
-    y = torch.empty(m, n, dtype=torch.bfloat16)
-    _library().gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+    y = torch.empty(m, _out_columns(n, act), dtype=torch.bfloat16)
+    _library().gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), packed.stride(0), n, y.data_ptr(),
+                         torch.get_num_threads(), act)
     return y
 
 
@@ -266,16 +286,23 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     return packed, qparams.permute(0, 3, 2, 1).contiguous(), gs  # [N/16, G, 2, 16]
 
 
-def matmul_quantized(x: torch.Tensor, packed, bits: int) -> torch.Tensor:
-    """x [M, K] bf16 (contiguous) -> [M, N] bf16 with a pack_quantized weight."""
+def _strides(packed) -> tuple[int, int]:
+    """(bytes between code blocks, floats between qparam blocks) of a packed weight or a view of whole blocks."""
+    codes, qparams, _ = packed
+    return codes.stride(0) * codes.element_size(), qparams.stride(0)
+
+
+def matmul_quantized(x: torch.Tensor, packed, bits: int, act: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 (contiguous) -> [M, N] bf16 with a pack_quantized weight (act as in matmul_bf16)."""
     codes, qparams, gs = packed
     m, k = x.shape
     if m > _FUSED_MAX_M:
-        return matmul_bf16(x, dequantize_vnni(packed, bits))
+        return matmul_bf16(x, dequantize_vnni(packed, bits), act)
     n = codes.shape[0] * 16
-    y = torch.empty(m, n, dtype=torch.bfloat16)
-    _library().qgemm(x.data_ptr(), m, k, codes.data_ptr(), qparams.data_ptr(), n, qparams.shape[1], gs, bits,
-                     y.data_ptr(), torch.get_num_threads())
+    y = torch.empty(m, _out_columns(n, act), dtype=torch.bfloat16)
+    cs, qs = _strides(packed)
+    _library().qgemm(x.data_ptr(), m, k, codes.data_ptr(), cs, qparams.data_ptr(), qs, n, gs, bits, y.data_ptr(),
+                     torch.get_num_threads(), act)
     return y
 
 
@@ -293,6 +320,7 @@ def dequantize_vnni(packed, bits: int) -> torch.Tensor:
     if buf is None or buf.numel() < size:
         buf = _scratch.buf = torch.empty(size, dtype=torch.int32)
     w = buf[:size].view(blocks, half, 16)
-    _library().dequant_vnni(codes.data_ptr(), qparams.data_ptr(), blocks * 16, half * 2, qparams.shape[1], gs, bits,
+    cs, qs = _strides(packed)
+    _library().dequant_vnni(codes.data_ptr(), cs, qparams.data_ptr(), qs, blocks * 16, half * 2, gs, bits,
                             w.data_ptr(), torch.get_num_threads())
     return w

@@ -52,29 +52,42 @@ def pack_linears(model: nn.Module, batch_hint: int) -> int:
 
 
 class FusedLinear(nn.Module):
-    """Parts (all PackedLinear on the VNNI layout, or all QLinear with the same AMX packing) as one GEMM. forward
-    returns the parts' outputs as column views of one [..., sum N] result. Each part's own kernel weight becomes a
-    view into the concatenation, so the parts still run alone and nothing is stored twice."""
+    """Parts that read one input (all PackedLinear on the VNNI layout, or all QLinear with the same AMX packing) as
+    one GEMM on their weights concatenated along N, its output split back into one [..., N_i] view per part. Each
+    part's own kernel weight becomes a view into the concatenation, so the parts still run alone and nothing is
+    stored twice.
 
-    def __init__(self, parts: list[nn.Module], weight, bits: int, perm: Optional[torch.Tensor]):
+    Given the MLP that owns them (its gate and up, no bias): the blocks alternate gate, up and the GEMM's epilogue
+    returns silu(gate) * up [..., I] itself, so the two [M, I] products are never written out; the few-row
+    fallback through the parts applies the MLP's own ops.silu_mul."""
+
+    def __init__(self, parts: list[nn.Module], weight, bits: int, perm: Optional[torch.Tensor],
+                 mlp: Optional[nn.Module]):
         super().__init__()
         self.parts = tuple(parts)  # a tuple: not registered as submodules again
         self.in_features = parts[0].in_features
         self.sizes = [p.out_features for p in parts]
-        self.weight, self.bits, self.perm = weight, bits, perm  # bits 16: bf16 VNNI; else (codes, qparams, gs)
+        self.weight, self.bits, self.perm = weight, bits, perm  # bits 16: bf16 VNNI
+        object.__setattr__(self, "mlp", mlp)  # a plain reference back to the owner, not a submodule
+        self.act = mlp is not None
         biases = [p.bias for p in parts]
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [torch.zeros(p.out_features, dtype=torch.bfloat16) if b is None else b.to(torch.bfloat16)
              for p, b in zip(parts, biases)])
 
     @classmethod
-    def of(cls, parts: list[nn.Module]) -> Optional["FusedLinear"]:
-        """The fused module, or None when the parts do not share one AMX packing."""
+    def of(cls, parts: list[nn.Module], mlp: Optional[nn.Module] = None) -> Optional["FusedLinear"]:
+        """The fused module, or None when the parts do not share one AMX packing (or, given the MLP, they are not
+        two bias-free parts of one width)."""
+        interleave = mlp is not None
+        if interleave and (len(parts) != 2 or parts[0].out_features != parts[1].out_features
+                           or any(p.bias is not None for p in parts)):
+            return None
         if all(isinstance(p, PackedLinear) and p.vnni is not None for p in parts):
-            weight = torch.cat([p.vnni for p in parts])
-            for p, view in zip(parts, weight.split([p.vnni.shape[0] for p in parts])):
+            weight = _concat([p.vnni for p in parts], interleave)
+            for p, view in zip(parts, _split(weight, [p.vnni.shape[0] for p in parts], interleave)):
                 p.vnni = view
-            return cls(parts, weight, 16, None)
+            return cls(parts, weight, 16, None, mlp)
         if not all(isinstance(p, QLinear) for p in parts):
             return None
         kernels = [p._amx_kernel() for p in parts]
@@ -86,43 +99,59 @@ class FusedLinear(nn.Module):
         same_pack = len({(p.bits, pk[2], pk[1].shape[1]) for p, pk in zip(parts, packs)}) == 1
         if not (same_perm and same_pack):
             return None
-        codes = torch.cat([pk[0] for pk in packs])
-        qparams = torch.cat([pk[1] for pk in packs])
+        codes = _concat([pk[0] for pk in packs], interleave)
+        qparams = _concat([pk[1] for pk in packs], interleave)
         blocks = [pk[0].shape[0] for pk in packs]
-        for p, perm, c, q in zip(parts, perms, codes.split(blocks), qparams.split(blocks)):
-            p._amx = ("amx", (perm, (c, q, packs[0][2])))
-        return cls(parts, (codes, qparams, packs[0][2]), parts[0].bits, perms[0])
+        gs = packs[0][2]
+        for p, perm, c, q in zip(parts, perms, _split(codes, blocks, interleave), _split(qparams, blocks, interleave)):
+            p._amx = ("amx", (perm, (c, q, gs)))
+        return cls(parts, (codes, qparams, gs), parts[0].bits, perms[0], mlp)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # x [..., K] bf16 -> one [..., N_i] view per part
+    def forward(self, x: torch.Tensor):
+        """x [..., K] bf16 -> one [..., N_i] view per part; with act, silu(gate) * up [..., I]."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.bits != 16 and x2.shape[0] < _AMX_MIN_M:  # few rows: the parts' own per-row kernels
-            return tuple(p(x) for p in self.parts)
+            outs = tuple(p(x) for p in self.parts)
+            return self.mlp.ops.silu_mul(*outs) if self.act else outs
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)  # act-order: columns into group order
         x2 = x2.contiguous()
         if self.bits == 16:
-            y = cpu_gemm.matmul_bf16(x2, self.weight)
+            y = cpu_gemm.matmul_bf16(x2, self.weight, self.act)
         else:
-            y = cpu_gemm.matmul_quantized(x2, self.weight, self.bits)
+            y = cpu_gemm.matmul_quantized(x2, self.weight, self.bits, self.act)
+        if self.act:
+            return y.view(*lead, self.sizes[0])
         if self.bias is not None:
             y += self.bias
         return y.view(*lead, sum(self.sizes)).split(self.sizes, dim=-1)
 
 
+def _concat(tensors: list[torch.Tensor], interleave: bool) -> torch.Tensor:
+    """Blocks [B_i, ...] along dim 0, or alternating a0, b0, a1, b1, ... (two tensors of equal shape)."""
+    return torch.stack(tensors, dim=1).flatten(0, 1) if interleave else torch.cat(tensors)
+
+
+def _split(t: torch.Tensor, blocks: list[int], interleave: bool) -> tuple[torch.Tensor, ...]:
+    """Each part's blocks of _concat's result, as views (strided every other block when interleaved)."""
+    return (t[0::2], t[1::2]) if interleave else t.split(blocks)
+
+
 def fuse_projections(model: nn.Module) -> int:
-    """Give each attention block a qkv_proj and each MLP a gate_up_proj FusedLinear where their parts fuse (the
+    """Give each attention block a qkv_proj FusedLinear and each MLP a gate_up_silu one where their parts fuse (the
     model's forward then calls those); returns how many were fused."""
     from quantkit.models.llama import MLP, Attention
 
     fused = 0
     for module in list(model.modules()):
-        if isinstance(module, (Attention, MLP)):
-            name, parts = (("qkv_proj", [module.q_proj, module.k_proj, module.v_proj]) if isinstance(module, Attention)
-                           else ("gate_up_proj", [module.gate_proj, module.up_proj]))
-            fusion = FusedLinear.of(parts)
-            # a plain attribute, not a submodule: it holds no parameters, and the model's state stays as loaded
-            object.__setattr__(module, name, fusion)
-            fused += fusion is not None
+        if isinstance(module, Attention):
+            name, fusion = "qkv_proj", FusedLinear.of([module.q_proj, module.k_proj, module.v_proj])
+        elif isinstance(module, MLP):
+            name, fusion = "gate_up_silu", FusedLinear.of([module.gate_proj, module.up_proj], module)
+        else:
+            continue
+        # a plain attribute, not a submodule: it holds no parameters, and the model's state stays as loaded
+        object.__setattr__(module, name, fusion)
+        fused += fusion is not None
     return fused

@@ -73,12 +73,13 @@ class ModelRunner:
         self.block_size = engine_cfg.block_size
         if can_pack(dtype, self.device):
             log.info("prepacked %d Linear weights (bf16)", pack_linears(model, engine_cfg.max_num_batched_tokens))
-        if self.device.type == "cpu" and dtype == torch.bfloat16 and cpu_gemm.available():
-            log.info("fused %d q/k/v and gate/up projections", fuse_projections(model))
         self.fused_ops = CpuFusedOps.load() if self.device.type == "cpu" and engine_cfg.attention_backend == "auto" \
             else None
         if self.fused_ops is not None:
             model.set_ops(self.fused_ops)
+        if self.device.type == "cpu" and dtype == torch.bfloat16 and cpu_gemm.available():
+            fused = fuse_projections(model)
+            log.info("fused %d q/k/v and gate/up-SiLU projections", fused)
         self.bytes_per_token = kv_bytes_per_token(mc, torch.empty((), dtype=dtype).element_size())
         self.num_blocks = num_blocks or self._plan_blocks(self.bytes_per_token + shared_kv_bytes_per_token)
         if self.num_blocks * self.block_size < max_model_len:

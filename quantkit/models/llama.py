@@ -182,7 +182,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     ops = TorchOps
-    gate_up_proj = None  # a serving runner may set one module computing (gate, up) (serve/cpu_linear.py)
+    gate_up_silu = None  # a serving runner may set one module computing silu(gate(x)) * up(x) (serve/cpu_linear.py)
 
     def __init__(self, cfg: ModelConfig, linear_cls: Callable[..., nn.Module]):
         super().__init__()
@@ -191,8 +191,9 @@ class MLP(nn.Module):
         self.down_proj = linear_cls(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(self.ops.silu_mul(gate, up))
+        if self.gate_up_silu is not None:
+            return self.down_proj(self.gate_up_silu(x))
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
