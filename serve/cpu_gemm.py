@@ -129,7 +129,7 @@ void gemm_bf16(const uint16_t* x, int M, int K, const uint32_t* w, int64_t ws, i
     tiles_on();
     for (int mc = 0; mc < M; mc += M_CHUNK) {
       const int mend = mc + M_CHUNK < M ? mc + M_CHUNK : M;
-      #pragma omp for schedule(dynamic) nowait
+      #pragma omp for schedule(static) nowait  /* the same pairs each chunk: their weights stay in L2 */
       for (int p = 0; p < pairs; p++) {
         const uint32_t* b0 = w + 2 * p * ws;
         const int nb = 2 * p + 1 < nblocks ? 2 : 1;
@@ -192,7 +192,7 @@ void qgemm(const uint16_t* x, int M, int K, const void* codes, int64_t cs, const
   {
     tiles_on();
     uint32_t* buf = aligned_alloc(64, (size_t)block * 2 * 4);
-    #pragma omp for schedule(dynamic)
+    #pragma omp for schedule(static)
     for (int p = 0; p < pairs; p++) {
       const int nb = 2 * p + 1 < nblocks ? 2 : 1;
       for (int j = 0; j < nb; j++)
