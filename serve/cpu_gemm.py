@@ -99,7 +99,6 @@ static void amx_rows(const uint16_t* x, const uint16_t* xpad, int M, int K, int 
       const int r0 = m0 + 16 * h, rows = M - r0 < 16 ? M - r0 : 16;
       for (int i = 0; i < rows; i++) {
         uint16_t* out = y + (int64_t)(r0 + i) * N + col;
-        const __m512 lo = _mm512_load_ps(c[2 * h] + i * 16);
         if (act) {
           const float* g = c[2 * h] + i * 16;
           const float* u = c[2 * h + 1] + i * 16;
@@ -108,10 +107,12 @@ static void amx_rows(const uint16_t* x, const uint16_t* xpad, int M, int K, int 
           for (int j = 0; j < 16; j++)
             v[j] = silu_times(bf16_to_f32(f32_to_bf16(g[j])), bf16_to_f32(f32_to_bf16(u[j])));
           _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(v)));
-        } else if (nb == 2)
-          _mm512_storeu_si512((__m512i*)out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c[2 * h + 1] + i * 16), lo));
-        else
-          _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(lo));
+        } else if (nb == 2) {
+          const __m512 lo = _mm512_load_ps(c[2 * h] + i * 16), hi = _mm512_load_ps(c[2 * h + 1] + i * 16);
+          _mm512_storeu_si512((__m512i*)out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        } else {
+          _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[2 * h] + i * 16)));
+        }
       }
     }
   }
@@ -237,13 +238,19 @@ def available() -> bool:
     return _library() is not None
 
 
+def _column_pairs(t: torch.Tensor) -> torch.Tensor:
+    """t [N, K] -> the VNNI order as a view [N/16, K/2, 16, 2]: element [b, r, n, j] = t[16b + n, 2r + j]."""
+    n, k = t.shape
+    return t.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+
+
 def pack_bf16(w: torch.Tensor):
     """w [N, K] bf16 -> the VNNI layout int32 [N/16, K/2, 16] (bit patterns), or None when N % 16 or K % 32."""
     n, k = w.shape
     if n % 16 or k % 32:
         return None
-    pairs = w.detach().contiguous().view(torch.int16).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
-    return pairs.contiguous().view(torch.int32).view(n // 16, k // 2, 16)
+    pairs = _column_pairs(w.detach().contiguous().view(torch.int16)).contiguous()  # [N/16, K/2, 16, 2]
+    return pairs.view(torch.int32).view(n // 16, k // 2, 16)
 
 
 def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
@@ -276,7 +283,7 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     n, k = codes.shape
     if n % 16 or k % 32 or gs % 2 or k % gs or bits not in (4, 8):
         return None
-    pairs = codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).to(torch.int32)  # [N/16, K/2, 16, 2]
+    pairs = _column_pairs(codes).to(torch.int32)
     if bits == 4:
         packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8).contiguous()
     else:
