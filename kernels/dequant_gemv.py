@@ -6,11 +6,16 @@ Grid (cdiv(N, BLOCK_N), SPLIT_K): program (pid_n, pid_k) owns output columns [pi
 K slice [pid_k*k_per_split, +k_per_split). M == 1 multiplies on the CUDA cores (broadcast x, reduce over K);
 M in 2..16 pads the rows to 16 and uses tl.dot. Accumulation is fp32 throughout.
 
-Split-K reduction in ONE launch (no memset, no cast kernel): every program atomically adds its fp32 partial
-into a per-device workspace [M, N], then bumps a per-column-tile arrival counter; the program that arrives last
-reads the finished sums, adds the bias, writes `out` in x's dtype, and puts the workspace tile and counter back
-to zero. Invariant between launches: workspace and counters are all zero. Launches on one stream are serialised,
-so the shared workspace is safe; concurrent launches on different streams of one device are not supported.
+Split-K reduction in ONE launch (no memset, no cast kernel): every program stores its fp32 partial [M, BLOCK_N]
+in its own slice of a per-device workspace [SPLIT_K, M, N] (plain stores), then bumps a per-column-tile arrival
+counter (acq_rel); the program that arrives last sums the SPLIT_K slices, adds the bias, writes `out` in x's
+dtype and puts the counter back to zero. Invariant between launches: the counters are all zero (the slices need
+no clearing: each launch overwrites every element it reads). Launches on one stream are serialised, so the shared
+workspace is safe; concurrent launches on different streams of one device are not supported.
+An earlier version accumulated the partials with fp32 atomic adds into one [M, N] slice; on an H200 (Triton
+3.6) its M > 1 path lost the partials of one or two rows in 16 of the 24 tile configs at N = 14336 (rows whose
+relative error reached 0.7, fp32 reference), while every SPLIT_K = 1 config and every M = 1 launch was right.
+The slices are right in every case measured (BENCHMARKS.md, "GPU").
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from .repack import PackedWeight
 
 GEMV_MAX_M = 16  # rows one launch handles (tl.dot needs a 16-row tile; more rows go to dequant_gemm)
 _MIN_BLOCK_N = 32  # no config has a smaller BLOCK_N: sizes the counter array
+_SPLITS = (1, 4, 8, 16)
+MAX_SPLIT_K = max(_SPLITS)  # sizes the workspace: one [GEMV_MAX_M, N] slice per split
 
 
 def _configs() -> list[triton.Config]:
@@ -32,7 +39,7 @@ def _configs() -> list[triton.Config]:
     shapes x 4 splits = 24 compiles per (bits, M bucket, dtype), so a first run tunes in about a minute."""
     tiles = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 64, 8))
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=3)
-            for bn, bk, warps in tiles for split in (1, 4, 8, 16)]
+            for bn, bk, warps in tiles for split in _SPLITS]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -51,7 +58,7 @@ def _gemv_kernel(
     perm_ptr,  # int32 [K]: x column of packed row k (read only when HAS_PERM)
     bias_ptr,  # [N] x.dtype (read only when HAS_BIAS)
     out_ptr,  # [M, N] x.dtype, column stride 1
-    ws_ptr,  # fp32 workspace, >= M * N elements, all zero on entry and on exit
+    ws_ptr,  # fp32 workspace, >= SPLIT_K * M * N elements: the partial sums, slice pid_k at pid_k * M * N
     cnt_ptr,  # int32 arrival counters, >= cdiv(N, BLOCK_N), all zero on entry and on exit
     M, N, K, M_BUCKET,  # M_BUCKET: autotune key only
     stride_xm, stride_om, stride_qw, stride_sg,
@@ -101,14 +108,15 @@ def _gemv_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
     else:
-        ws_offs = offs_m[:, None] * N + offs_n[None, :]  # workspace (m, n), row stride N
-        tl.atomic_add(ws_ptr + ws_offs, acc, mask=mask_out, sem="relaxed")
-        tl.debug_barrier()  # every thread's partial is issued before the counter is bumped (release below)
+        slice_offs = offs_m[:, None] * N + offs_n[None, :]  # (m, n) in a [M, N] slice of the workspace
+        tl.store(ws_ptr + pid_k * M * N + slice_offs, acc, mask=mask_out)
+        tl.debug_barrier()  # every thread's partial is stored before the counter is bumped (release below)
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
-            # last program of this column tile: all partials are in L2; .cg bypasses a possibly stale L1
-            total = tl.load(ws_ptr + ws_offs, mask=mask_out, other=0.0, cache_modifier=".cg")
-            tl.store(ws_ptr + ws_offs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=mask_out)
+            # last program of this column tile: every slice is in L2; .cg bypasses a possibly stale L1
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(ws_ptr + s * M * N + slice_offs, mask=mask_out, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
@@ -121,7 +129,7 @@ INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}
 _gemv_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET"], prune_configs_by={"early_config_prune": _prune},
                               do_bench=quick_bench, cache_results=True)(_gemv_kernel)
 
-# device -> (fp32 workspace, int32 counters); grown by reserve_workspace, zero between launches
+# device -> (fp32 workspace, int32 counters); grown by reserve_workspace; the counters are zero between launches
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -129,7 +137,7 @@ def reserve_workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch
     """Make the device's split-K workspace fit N columns (call at load time, outside CUDA-graph capture)."""
     device = torch.device(device)
     ws, cnt = _WORKSPACES.get(device, (None, None))
-    need_ws, need_cnt = GEMV_MAX_M * n, triton.cdiv(n, _MIN_BLOCK_N)
+    need_ws, need_cnt = MAX_SPLIT_K * GEMV_MAX_M * n, triton.cdiv(n, _MIN_BLOCK_N)
     if ws is None or ws.numel() < need_ws or cnt.numel() < need_cnt:
         size_ws = max(need_ws, 0 if ws is None else ws.numel())
         size_cnt = max(need_cnt, 0 if cnt is None else cnt.numel())
@@ -158,6 +166,8 @@ def dequant_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
         grid = lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])  # noqa: E731
         _gemv_tuned[grid](*args, **meta)
     else:
+        split = config["SPLIT_K"]
+        assert split <= MAX_SPLIT_K, f"SPLIT_K={split}: the workspace holds {MAX_SPLIT_K} slices"
         _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]), config["SPLIT_K"])](*args, **meta, **config)
     return out
 
