@@ -1,10 +1,12 @@
-"""Atomic folder writes: build the new folder beside its target, then os.replace it into place."""
+"""Atomic writes: build the new file or folder beside its target, then os.replace it into place."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def temp_dir_beside(target: Path, tag: str = "tmp") -> Path:
@@ -16,3 +18,18 @@ def temp_dir_beside(target: Path, tag: str = "tmp") -> Path:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
     return tmp
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Atomic: a temp file in the same folder, then os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

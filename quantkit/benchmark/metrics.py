@@ -7,11 +7,7 @@ benchmark duration (first arrival to last response). Goodput counts requests mee
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -121,18 +117,3 @@ def result_json(run: BenchRun, metrics: dict[str, Any], extra: Optional[dict[str
         "metrics": metrics,
         "requests": [r.to_json() for r in run.records],
     }
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Atomic: a temp file in the same folder, then os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -35,7 +35,8 @@ def serve(
     """Stream a workload at a server and print the Serving Benchmark Result block."""
     from quantkit.benchmark.client import resolve_model_and_tokenizer, run_benchmark
     from quantkit.benchmark.datasets import load_prompts
-    from quantkit.benchmark.metrics import compute_metrics, format_result, parse_goodput, result_json, write_json
+    from quantkit.atomic import write_json
+    from quantkit.benchmark.metrics import compute_metrics, format_result, parse_goodput, result_json
 
     slos = parse_goodput(goodput)
     model_name, tok, tok_source = resolve_model_and_tokenizer(url, model, tokenizer, api_key)
@@ -76,7 +77,7 @@ def throughput(
     """Offline tokens/s of the engine itself (quantkit.LLM, no HTTP) on a data set, all prompts at once."""
     from quantkit import LLM
     from quantkit.benchmark.datasets import load_prompts
-    from quantkit.benchmark.metrics import write_json
+    from quantkit.atomic import write_json
     from quantkit.benchmark.offline import format_throughput, offline_throughput
 
     llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

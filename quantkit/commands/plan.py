@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Weights, KV per token, KV capacity, max concurrency, roofline decode tok/s and $ per million tokens."""
         from quantkit.benchmark.datasets import workload_lengths
-        from quantkit.benchmark.metrics import write_json
+        from quantkit.atomic import write_json
         from quantkit.benchmark.plan import format_plan, gpu_from_args, make_plan, quant_of_folder
         from quantkit.models.llama import ModelConfig
         from quantkit.models.loader import load_tokenizer, read_hf_config, resolve
@@ -79,7 +79,7 @@ def register(app: typer.Typer) -> None:
         """Sweep concurrency 1, 2, 4, ... against the server; recommend the largest --max-num-seqs keeping the floor."""
         from quantkit.benchmark.charts import draw_tune_charts
         from quantkit.benchmark.client import resolve_model_and_tokenizer
-        from quantkit.benchmark.metrics import write_json
+        from quantkit.atomic import write_json
         from quantkit.benchmark.tune import format_tune, sweep
 
         model_name, tok, _ = resolve_model_and_tokenizer(url, model, tokenizer, api_key)
