@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One lent-GPU session, as one command (the device tool; see BENCHMARKS.md "GPU"): from the repository root on
+# the GPU machine, with the inputs `python bench/engine_gpu.py --prepare .gpu` wrote here carried along:
+#
+#     OUT=/where/results/go bash bench/gpu_session.sh STAGE... [--limit SECONDS]
+#
+# Stages: tests (the Triton kernel tests and QLinear's CUDA test, compiled for the GPU: TRITON_INTERPRET=0),
+# kernels (bench/kernels.py --quick), engine (bench/engine_gpu.py on the SmolLM2-135M shape: attention check, bf16,
+# W4, W8; ENGINE_ARGS=--profile adds a cProfile of each), engine8b (the Llama-3-8B shape: bf16, W4, W8),
+# py:FILE (python3 .gpu/FILE: a one-off diagnosis carried with the inputs).
+# Each stage runs under its own time limit and writes OUT/<stage>.log (and .json); a stage that fails or runs out
+# of time does not stop the next. The machine has the image's torch/triton/transformers but no pip access, so the
+# package runs from a staged copy in its installed layout (quantkit.serve = serve/, ...), not an install.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+INPUTS=$(pwd)/.gpu
+STAGE_DIR=/tmp/quantkit_stage
+rm -rf "$STAGE_DIR" && mkdir -p "$STAGE_DIR"
+cp -r quantkit tests bench pyproject.toml "$STAGE_DIR"/
+for sub in serve kernels evals; do cp -r "$sub" "$STAGE_DIR/quantkit/$sub"; done
+cd "$STAGE_DIR"
+export PYTHONPATH=$STAGE_DIR PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+
+stage() {  # stage NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "== $name: limit ${limit} s"
+    timeout --signal=INT --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start)) s"
+    tail -n 30 "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+for arg in "$@"; do
+    case $arg in
+        tests) stage tests "${TESTS_LIMIT:-120}" python3 -m pytest -q -rf -p no:cacheprovider \
+                   tests/test_kernels_qgemm.py tests/test_kernels_attention.py tests/test_kernels_fused.py \
+                   tests/test_kernels_compile.py \
+                   tests/test_qlinear.py::test_cuda_forward_matches_reference_and_keeps_the_qtensor ;;
+        kernels) stage kernels "${KERNELS_LIMIT:-200}" python3 bench/kernels.py --quick --out "$OUT/kernels.json" ;;
+        engine) stage engine "${ENGINE_LIMIT:-200}" python3 bench/engine_gpu.py --inputs "$INPUTS" \
+                    --shapes smollm2-135m --out "$OUT/engine.json" ${ENGINE_ARGS:-} ;;
+        engine8b) stage engine8b "${ENGINE_LIMIT:-200}" python3 bench/engine_gpu.py --inputs "$INPUTS" \
+                      --shapes llama3-8b --schemes bf16,w4,w8 --out "$OUT/engine8b.json" ;;
+        py:*) stage "$(basename "${arg#py:}" .py)" "${PY_LIMIT:-150}" python3 "$INPUTS/${arg#py:}" ;;
+        *) echo "unknown stage $arg"; exit 2 ;;
+    esac
+done
