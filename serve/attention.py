@@ -4,7 +4,8 @@ Each step the runner hands over one AttentionMetadata; every layer first stores 
 then attends over the cache. The batch is ordered decodes first (one new token each), then prefill chunks.
   TorchPagedAttention: CPU (and any dtype): decodes with the C kernel of cpu_attention.py when it builds (read
     through the block tables, no copies), else as one masked SDPA over their gathered blocks (GQA folded into the
-    query axis, no K/V repeat); each prefill chunk with SDPA, causal over its cached context.
+    query axis, no K/V repeat); the prefill chunks all in one call of cpu_prefill.py's AMX kernel where it runs
+    (bf16, head_dim 64/128), else each chunk with SDPA, causal over its cached context.
   TritonPagedAttention: CUDA fp16/bf16: quantkit.kernels kv_store / paged_attention_decode / _prefill.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from quantkit.serve import cpu_prefill
 from quantkit.serve.cpu_attention import paged_decode
 
 
@@ -34,10 +36,11 @@ class TorchPagedAttention:
     """Pure torch paged attention; per step it precomputes the gather/mask tensors all layers share."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float, decode_kernel=None,
-                 fused_ops=None):
+                 fused_ops=None, prefill_kernel=None):
         self.kv_caches = kv_caches  # per layer (k_cache, v_cache) [num_blocks, block_size, Hkv, D]
         self.scale = scale
         self.decode_kernel = decode_kernel  # cpu_attention.load_decode_kernel() or None
+        self.prefill_kernel = prefill_kernel  # cpu_prefill.load_prefill_kernel() or None
         self.fused_ops = fused_ops  # cpu_fused.CpuFusedOps (its kv_store) or None
         self.meta: AttentionMetadata | None = None
 
@@ -55,8 +58,16 @@ class TorchPagedAttention:
             self.decode_blocks = meta.block_tables[:nd, :num_blocks].long().flatten()
             span = torch.arange(num_blocks * block_size, device=lens.device)
             self.decode_mask = (span[None, :] < lens[:, None])[:, None, None, :]  # [Sd, 1, 1, Lp]
-        # prefill chunks: (token start, token end, its row in block_tables, context before the chunk)
+        # prefill chunks: the kernel's inputs, or per chunk (token start, token end, its row in block_tables,
+        # context before the chunk)
         self.prefills = []
+        self.kernel_prefill = (self.prefill_kernel is not None and nd < len(meta.seq_lens_host)
+                               and cpu_prefill.supports(self.kv_caches[0][0]))
+        if self.kernel_prefill:
+            self.prefill_tables = meta.block_tables[nd:].contiguous()
+            self.prefill_qsl = (meta.query_start_loc[nd:] - nd).to(torch.int32)
+            self.prefill_lens = meta.seq_lens[nd:].contiguous()
+            return
         start = nd
         for s in range(nd, len(meta.seq_lens_host)):
             q_len, seq_len = meta.query_lens_host[s], meta.seq_lens_host[s]
@@ -93,6 +104,10 @@ class TorchPagedAttention:
                 q[:nd].view(nd, hkv, hq // hkv, d), kk, vv, attn_mask=self.decode_mask, scale=self.scale
             )
             out[:nd] = o.reshape(nd, hq, d)
+        if self.kernel_prefill:
+            cpu_prefill.paged_prefill(self.prefill_kernel, q[nd:], k_cache, v_cache, self.prefill_tables,
+                                      self.prefill_qsl, self.prefill_lens, self.scale, out[nd:])
+            return out
         for start, end, seq_len, blocks, mask in self.prefills:
             if blocks is None:  # nothing cached before this chunk: plain causal attention over it
                 kk, vv = k[start:end], v[start:end]

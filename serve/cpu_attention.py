@@ -12,11 +12,11 @@ import ctypes
 
 import torch
 
-from quantkit.serve.cpu_build import C_DTYPES, DTYPE_CODES, load_library
+from quantkit.serve.cpu_build import C_DTYPES, C_EXP16, DTYPE_CODES, load_library
 
 MAX_HEAD_DIM, MAX_GROUP = 256, 16
 
-C_SOURCE = C_DTYPES + r"""
+C_SOURCE = C_DTYPES + C_EXP16 + r"""
 #include <math.h>
 
 #define TILE 16
@@ -96,22 +96,6 @@ static void item_generic(const void* q, const void* kc, const void* vc, const in
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-
-/* e^x for 16 lanes, x <= 0 (clamped at -87), relative error ~2e-7 */
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, fi);
-}
 
 /* One tile of the online softmax for one query head: x [16] scores (dead lanes -inf), n live tokens whose fp32 V
    rows are vt; updates the running max m, normaliser l and accumulator acc [D]. NV = D / 16. */

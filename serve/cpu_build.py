@@ -70,6 +70,56 @@ static inline uint16_t f32_to_bf16(float f) {
 """
 
 
+# AMX tiles: the permission request and the one tile shape the kernels use
+C_AMX = r"""
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 when this process may use AMX tiles (asks Linux for the permission once) */
+int amx_ready(void) {
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct { uint8_t palette; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
+
+/* every tile 16 rows x 64 bytes (each kernel says what its tiles hold) */
+static void tiles_on(void) {
+  tilecfg cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+"""
+
+# e^x on 16 fp32 lanes with AVX-512 (cpu_attention's decode softmax, cpu_prefill's)
+C_EXP16 = r"""
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* e^x for 16 lanes, x <= 0 (clamped at -87), relative error ~2e-7 */
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, fi);
+}
+#endif
+"""
+
+
 def _cpu_signature() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -25,35 +25,12 @@ import threading
 
 import torch
 
-from quantkit.serve.cpu_build import C_DTYPES, C_SILU, load_library
+from quantkit.serve.cpu_build import C_AMX, C_DTYPES, C_SILU, load_library
 
-C_SOURCE = C_DTYPES + C_SILU + r"""
-#include <immintrin.h>
-#include <stdint.h>
+C_SOURCE = C_DTYPES + C_SILU + C_AMX + r"""
 #include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define M_CHUNK 128  /* rows of x per pass over the weight; a multiple of 32 */
-
-/* 1 when this process may use AMX tiles (asks Linux for the permission once) */
-int amx_ready(void) {
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-typedef struct { uint8_t palette; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
-
-/* tiles 0-3: fp32 accumulators, 4-5: x row tiles, 6-7: weight blocks; all 16 rows x 64 bytes */
-static void tiles_on(void) {
-  tilecfg cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
-}
 
 /* x's last M % 16 rows, zero-padded to a [16, K] row tile (NULL when M % 16 == 0); the caller frees it */
 static uint16_t* pad_tail(const uint16_t* x, int M, int K) {

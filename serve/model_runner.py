@@ -23,6 +23,7 @@ from quantkit.serve.config import EngineConfig
 from quantkit.serve.cpu_attention import load_decode_kernel
 from quantkit.serve.cpu_fused import CpuFusedOps
 from quantkit.serve.cpu_linear import can_pack, fuse_projections, pack_linears
+from quantkit.serve.cpu_prefill import load_prefill_kernel
 from quantkit.serve.scheduler import ScheduledSeq, SchedulerOutput
 from quantkit.serve.sequence import Sequence
 
@@ -108,8 +109,9 @@ class ModelRunner:
         if choice == "triton" or (choice == "auto" and self.device.type == "cuda"
                                   and self.dtype in (torch.float16, torch.bfloat16)):
             return TritonPagedAttention(kv_caches, scale)
-        kernel = load_decode_kernel() if choice == "auto" and self.device.type == "cpu" else None
-        return TorchPagedAttention(kv_caches, scale, kernel, self.fused_ops)
+        native = choice == "auto" and self.device.type == "cpu"
+        return TorchPagedAttention(kv_caches, scale, load_decode_kernel() if native else None, self.fused_ops,
+                                   load_prefill_kernel() if native else None)
 
     # ---- capacity
     def _plan_blocks(self, bytes_per_token: int) -> int:
