@@ -1,0 +1,89 @@
+"""Prefill attention on CPU: the AMX kernel (serve/cpu_prefill.py) against the SDPA path it replaces, through
+TorchPagedAttention, on one layer of a 2048-token prefill step of real prompt lengths.
+
+    python bench/cpu_prefill.py [--tokens 2048] [--repeats 20] [--past 0]
+
+The step's chunks are the lengths of the first ShareGPT prompts (chat-templated, bundled tokenizer) that fill
+--tokens, each after --past cached tokens; SmolLM2-135M's heads (9 query, 3 kv, head_dim 64), block 16, bf16.
+Both paths run alternately on the same inputs; prints the median milliseconds of each and their ratio, and the
+GFLOP/s of the kernel (4 * causal query-key pairs * head_dim * query heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from engine_throughput import chat_prompts
+from quantkit.models.loader import load_tokenizer
+from quantkit.serve import cpu_prefill
+from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention
+
+HQ, HKV, D, BLOCK = 9, 3, 64, 16
+
+
+def step_lengths(tokens: int) -> list[int]:
+    """Prompt lengths of real chat prompts filling `tokens` (the last one cut to fit, as a chunk would be)."""
+    lens, total = [], 0
+    for ids in chat_prompts(load_tokenizer(None), "sharegpt", 256, 1024):
+        take = min(len(ids), tokens - total)
+        lens.append(take)
+        total += take
+        if total == tokens:
+            return lens
+    return lens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--past", type=int, default=0, help="cached tokens before each chunk")
+    args = ap.parse_args()
+    kernel = cpu_prefill.load_prefill_kernel()
+    if kernel is None:
+        raise SystemExit("no AMX on this CPU: the kernel does not run here")
+    q_lens = step_lengths(args.tokens)
+    seq_lens = [n + args.past for n in q_lens]
+    tables = torch.zeros(len(q_lens), -(-max(seq_lens) // BLOCK), dtype=torch.int32)
+    slots, next_block = [], 0
+    for s, n in enumerate(seq_lens):
+        blocks = -(-n // BLOCK)
+        tables[s, :blocks] = torch.arange(next_block, next_block + blocks, dtype=torch.int32)
+        next_block += blocks
+        positions = torch.arange(args.past, n)
+        slots.append(tables[s, positions // BLOCK].long() * BLOCK + positions % BLOCK)
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(next_block, BLOCK, HKV, D, generator=gen).bfloat16(),
+               torch.randn(next_block, BLOCK, HKV, D, generator=gen).bfloat16())]
+    t = sum(q_lens)
+    q = torch.randn(t, HQ, D, generator=gen).bfloat16()
+    k, v = (torch.randn(t, HKV, D, generator=gen).bfloat16() for _ in range(2))
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=torch.cat(slots), block_tables=tables,
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl, num_decodes=0,
+                             seq_lens_host=seq_lens, query_lens_host=q_lens)
+    backends = {"amx kernel": TorchPagedAttention(caches, D ** -0.5, prefill_kernel=kernel),
+                "sdpa": TorchPagedAttention(caches, D ** -0.5)}
+    times = {name: [] for name in backends}
+    for _ in range(args.repeats):
+        for name, attn in backends.items():
+            start = time.perf_counter()
+            attn.begin_step(meta)
+            attn(0, q, k, v)
+            times[name].append(time.perf_counter() - start)
+    ms = {name: 1000 * statistics.median(ts) for name, ts in times.items()}
+    pairs = sum(p * q_len + q_len * (q_len + 1) / 2 for p, q_len in zip([args.past] * len(q_lens), q_lens))
+    print(f"{len(q_lens)} chunks, {t} tokens (lengths {min(q_lens)}-{max(q_lens)}), past {args.past}, "
+          f"{torch.get_num_threads()} threads")
+    for name, value in ms.items():
+        print(f"{name}: {value:.2f} ms")
+    print(f"sdpa / kernel: {ms['sdpa'] / ms['amx kernel']:.2f}x; kernel "
+          f"{4 * pairs * D * HQ / (ms['amx kernel'] * 1e-3) / 1e9:.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
