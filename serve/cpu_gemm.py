@@ -290,6 +290,15 @@ def matmul_quantized(x: torch.Tensor, packed, bits: int, act: bool = False) -> t
     return y
 
 
+def matmul_packed(x: torch.Tensor, perm: torch.Tensor | None, weight, bits: int, act: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 -> [M, N] bf16 through a packed weight: pack_bf16's (bits 16) or pack_quantized's (4, 8),
+    whose act-order `perm` (or None) first puts x's columns into group order; act as in matmul_bf16."""
+    if perm is not None:
+        x = x.index_select(1, perm)
+    x = x.contiguous()
+    return matmul_bf16(x, weight, act) if bits == 16 else matmul_quantized(x, weight, bits, act)
+
+
 _scratch = threading.local()  # per thread: one buffer reused by every layer's whole-weight dequantization
 
 

@@ -114,13 +114,7 @@ class FusedLinear(nn.Module):
         if self.bits != 16 and x2.shape[0] < _AMX_MIN_M:  # few rows: the parts' own per-row kernels
             outs = tuple(p(x) for p in self.parts)
             return self.mlp.ops.silu_mul(*outs) if self.act else outs
-        if self.perm is not None:
-            x2 = x2.index_select(1, self.perm)  # act-order: columns into group order
-        x2 = x2.contiguous()
-        if self.bits == 16:
-            y = cpu_gemm.matmul_bf16(x2, self.weight, self.act)
-        else:
-            y = cpu_gemm.matmul_quantized(x2, self.weight, self.bits, self.act)
+        y = cpu_gemm.matmul_packed(x2, self.perm, self.weight, self.bits, self.act)
         if self.act:
             return y.view(*lead, self.sizes[0])
         if self.bias is not None:

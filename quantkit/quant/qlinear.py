@@ -161,9 +161,7 @@ def _run_amx(kernel: tuple[str, Any], x2: torch.Tensor, bits: int) -> torch.Tens
     from quantkit.serve import cpu_gemm
 
     perm, packed = kernel[1]
-    if perm is not None:
-        x2 = x2.index_select(1, perm)  # act-order: columns into group order
-    return cpu_gemm.matmul_quantized(x2.contiguous(), packed, bits)
+    return cpu_gemm.matmul_packed(x2, perm, packed, bits)
 
 
 def _contiguous_groups(qt: QTensor) -> Optional[tuple[Optional[torch.Tensor], int, torch.Tensor]]:
