@@ -40,7 +40,8 @@ class TorchPagedAttention:
         self.kv_caches = kv_caches  # per layer (k_cache, v_cache) [num_blocks, block_size, Hkv, D]
         self.scale = scale
         self.decode_kernel = decode_kernel  # cpu_attention.load_decode_kernel() or None
-        self.prefill_kernel = prefill_kernel  # cpu_prefill.load_prefill_kernel() or None
+        # cpu_prefill.load_prefill_kernel(), or None (also when it does not take this cache's dtype or head_dim)
+        self.prefill_kernel = prefill_kernel if cpu_prefill.supports(kv_caches[0][0]) else None
         self.fused_ops = fused_ops  # cpu_fused.CpuFusedOps (its kv_store) or None
         self.meta: AttentionMetadata | None = None
 
@@ -61,8 +62,7 @@ class TorchPagedAttention:
         # prefill chunks: the kernel's inputs, or per chunk (token start, token end, its row in block_tables,
         # context before the chunk)
         self.prefills = []
-        self.kernel_prefill = (self.prefill_kernel is not None and nd < len(meta.seq_lens_host)
-                               and cpu_prefill.supports(self.kv_caches[0][0]))
+        self.kernel_prefill = self.prefill_kernel is not None and nd < len(meta.seq_lens_host)
         if self.kernel_prefill:
             self.prefill_tables = meta.block_tables[nd:].contiguous()
             self.prefill_qsl = (meta.query_start_loc[nd:] - nd).to(torch.int32)
