@@ -8,7 +8,7 @@ Steps: (1) correctness of every path (GEMV, GEMM, dequantize+cuBLAS, attention) 
 references; (2) Llama-2-7B / Llama-3-8B Linear shapes x M in {1, 4, 16, 64, 256, 1024}: time of W4 and W8
 against torch fp16 F.linear, achieved GB/s and % of the memory-bandwidth roofline; (3) paged-attention decode
 GB/s at contexts 512..8192; (4) the M crossovers between the three qgemm paths, with the constants they imply for
-kernels/qgemm.py; (5) the issue's performance goals, pass/fail. Prints markdown; writes JSON (--out).
+kernels/triton/qgemm.py; (5) the issue's performance goals, pass/fail. Prints markdown; writes JSON (--out).
 
 Timing: triton.testing.do_bench_cudagraph (no launch overhead), median. Every timed call reads a different copy of
 its weights / KV blocks, cycling through enough copies to cover twice the GPU's L2, so no figure is an L2 hit
@@ -139,7 +139,7 @@ def check_linear(b: Bench, n, k, q, ms) -> dict:
     """qgemm.matmul vs fp32 x @ dequantize(qt).T on one shape, every path; relative Frobenius error."""
     import torch
 
-    from quantkit.kernels import qgemm
+    from quantkit.kernels.triton import qgemm
     from quantkit.quant import scheme
 
     qt = random_qtensor(n, k, q, b.device, b.gen)
@@ -162,7 +162,7 @@ def check_attention(b: Bench, batch, context, heads) -> dict:
     """Decode and prefill kernels vs their torch references on one real-size paged cache."""
     import torch
 
-    from quantkit.kernels import paged_attention, paged_prefill
+    from quantkit.kernels.triton import paged_attention, paged_prefill
 
     hq, hkv, d = heads
     cache = make_cache(b, batch, context, hkv, d, copies=1)[0]
@@ -196,7 +196,7 @@ def bench_linear(b: Bench, shapes, ms, schemes) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from quantkit.kernels import qgemm
+    from quantkit.kernels.triton import qgemm
 
     rows = []
     for (n, k), layers in shapes.items():
@@ -230,7 +230,7 @@ def progress(row: dict) -> None:
 def bench_attention(b: Bench, batches, contexts, heads) -> list[dict]:
     import torch
 
-    from quantkit.kernels import paged_attention
+    from quantkit.kernels.triton import paged_attention
 
     hq, hkv, d = heads
     rows = []
@@ -253,7 +253,7 @@ def bench_crossover(b: Bench, shapes, ms, q) -> dict:
     dequantize+cuBLAS beats GEMM for good, per shape, and the constants that hold for every shape."""
     import torch
 
-    from quantkit.kernels import dequant_gemm, dequant_gemv, dequantize, qgemm
+    from quantkit.kernels.triton import dequant_gemm, dequant_gemv, dequantize, qgemm
 
     per_shape = {}
     for n, k in shapes:
@@ -324,7 +324,7 @@ def markdown(result) -> str:
               "| shape | GEMV wins up to M | dequant+cuBLAS wins from M |", "|---|---|---|"]
     for shape, s in cross["per_shape"].items():
         lines.append(f"| {shape} | {s['gemv_max_m']} | {s['dequant_min_m']} |")
-    lines += ["", f"recommended {cross['recommended']} (kernels/qgemm.py now: {cross['current']})", "",
+    lines += ["", f"recommended {cross['recommended']} (kernels/triton/qgemm.py now: {cross['current']})", "",
               "### Goals", "", "| goal | worst measured | pass |", "|---|---|---|"]
     for g in result["goals"]:
         lines.append(f"| {g['goal']} | {g['worst']:.2f} | {'yes' if g['pass'] else 'NO'} |")
@@ -370,7 +370,7 @@ def main(argv=None) -> int:
         cross_ms = (1, 4, 16, 64, 256, 1024, 4096) if args.quick else CROSSOVER_M
         batches, contexts, heads = ATTN_BATCHES, CONTEXTS, ATTN_HEADS
         cross_shapes = ((4096, 4096),) if args.quick else CROSSOVER_SHAPES
-        from quantkit.kernels.qgemm import DEQUANT_MIN_M
+        from quantkit.kernels.triton.qgemm import DEQUANT_MIN_M
 
         check_ms = (1, 16, 64, DEQUANT_MIN_M)
 

@@ -1,12 +1,8 @@
-"""quantkit.kernels: Triton kernels for CUDA, one op per file, each with an asserting launcher and a torch `*_ref`.
+"""quantkit.kernels: every kernel of the project, each with an asserting launcher and its torch reference.
 
-QLinear on CUDA: `prepared = prepare(qtensor)` once, then `matmul(x, prepared, bias)`.
-Engine on CUDA: `kv_store.kv_store`, then `paged_attention_decode` / `paged_attention_prefill` over the paged
-KV cache; `rmsnorm.rmsnorm` and `silu_gate.silu_gate` are the optional fused layer ops.
+  triton/   CUDA (Triton): dequant-GEMM/GEMV for the packed W4/W8 weights, paged attention, KV store, fused ops
+  cpu/      CPU (C, AMX/AVX-512): the AMX GEMMs, paged decode and prefill attention, fused per-token ops; the C
+            sources are real .c/.h files beside their launchers, compiled once per machine and cached
+
+quant/, models/ and serve/ reach kernels only through this package; nothing here imports serve/.
 """
-
-from .paged_attention import paged_attention_decode
-from .paged_prefill import paged_attention_prefill
-from .qgemm import Prepared, matmul, prepare
-
-__all__ = ["Prepared", "matmul", "paged_attention_decode", "paged_attention_prefill", "prepare"]

@@ -128,9 +128,9 @@ class TritonPagedAttention:
     """CUDA: the Triton kernels of quantkit.kernels (imported lazily; fp16/bf16 caches)."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
-        from quantkit.kernels.kv_store import kv_store
-        from quantkit.kernels.paged_attention import paged_attention_decode
-        from quantkit.kernels.paged_prefill import paged_attention_prefill
+        from quantkit.kernels.triton.kv_store import kv_store
+        from quantkit.kernels.triton.paged_attention import paged_attention_decode
+        from quantkit.kernels.triton.paged_prefill import paged_attention_prefill
 
         self.kv_store, self.decode, self.prefill = kv_store, paged_attention_decode, paged_attention_prefill
         self.kv_caches = kv_caches

@@ -11,7 +11,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from quantkit.kernels import (
+from quantkit.kernels.triton import (
     dequant_gemm, dequant_gemv, dequantize, kv_store, paged_attention, paged_prefill, repack, rmsnorm, silu_gate,
 )
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels import kv_store, paged_attention, paged_prefill
+from quantkit.kernels.triton import kv_store, paged_attention, paged_prefill
 
 TOL = {torch.float16: dict(rtol=2e-3, atol=4e-3), torch.bfloat16: dict(rtol=1.6e-2, atol=3e-2)}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

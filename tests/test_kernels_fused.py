@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels import rmsnorm, silu_gate
+from quantkit.kernels.triton import rmsnorm, silu_gate
 from quantkit.models.llama import RMSNorm
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3),

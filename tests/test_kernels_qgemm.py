@@ -21,7 +21,7 @@ import torch
 
 from quantkit.config import QuantScheme
 from quantkit.errors import QuantkitError
-from quantkit.kernels import dequant_gemm, dequant_gemv, dequantize, qgemm, repack
+from quantkit.kernels.triton import dequant_gemm, dequant_gemv, dequantize, qgemm, repack
 from quantkit.quant import scheme
 
 TOL = {torch.float16: dict(rtol=4e-3, atol=2e-2), torch.bfloat16: dict(rtol=1.6e-2, atol=1.5e-1)}

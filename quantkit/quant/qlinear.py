@@ -10,7 +10,7 @@ Storage (buffers, so .to(device) moves them; none is a float the model's dtype c
 The QTensor is rebuilt exactly from these (`qtensor()`), so checkpoint writers save what was loaded.
 
 Forward, chosen per call:
-  CUDA              quantkit.kernels.qgemm: prepare(qtensor) once per device, matmul(x, prepared) per call.
+  CUDA              quantkit.kernels.triton.qgemm: prepare(qtensor) once per device, matmul(x, prepared) per call.
   CPU with AMX, bfloat16, M >= _AMX_MIN_M   serve/cpu_gemm.py: dequantize pairs of 16-column blocks into L2 and
                     run AMX tile matmuls on them (its own packed copy: ~0.63 B/weight at 4 bit), where torch's
                     per-row kernels are 6-8x slower than a bf16 matmul at 64 rows; at prefill sizes one C
@@ -126,7 +126,7 @@ class QLinear(nn.Module):
 
     def _cuda(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] -> [M, N] via the Triton dequant-GEMM kernels (bias fused there)."""
-        from quantkit.kernels import qgemm
+        from quantkit.kernels.triton import qgemm
 
         if self._kernel is None:
             self._kernel = ("cuda", qgemm.prepare(self.qtensor()))

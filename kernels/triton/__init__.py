@@ -1,0 +1,7 @@
+"""quantkit.kernels.triton: the CUDA kernels, one op per file, each with an asserting launcher and a torch `*_ref`.
+
+QLinear on CUDA: `prepared = qgemm.prepare(qtensor)` once, then `qgemm.matmul(x, prepared, bias)`.
+Engine on CUDA: `kv_store.kv_store`, then `paged_attention_decode` / `paged_attention_prefill` over the paged
+KV cache; `rmsnorm.rmsnorm` and `silu_gate.silu_gate` are the optional fused layer ops.
+Importing a module here imports triton: callers import them where they run on CUDA (or under TRITON_INTERPRET=1).
+"""
