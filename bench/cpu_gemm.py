@@ -1,4 +1,4 @@
-"""bf16 linears on CPU: oneDNN's prepacked matmul against serve/cpu_gemm.py's AMX tile GEMM, side by side.
+"""bf16 linears on CPU: oneDNN's prepacked matmul against kernels/cpu/gemm.py's AMX tile GEMM, side by side.
 
     python bench/cpu_gemm.py [--rows 1,16,64,128,2048] [--repeats 5]
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from quantkit.serve import cpu_gemm
+from quantkit.kernels.cpu import gemm as cpu_gemm
 
 SHAPES = [(576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]
 

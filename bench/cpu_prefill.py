@@ -1,4 +1,4 @@
-"""Prefill attention on CPU: the AMX kernel (serve/cpu_prefill.py) against the SDPA path it replaces, through
+"""Prefill attention on CPU: the AMX kernel (kernels/cpu/paged_prefill.py) against the SDPA path it replaces, through
 TorchPagedAttention, on one layer of a 2048-token prefill step of real prompt lengths.
 
     python bench/cpu_prefill.py [--tokens 2048] [--repeats 20] [--past 0]
@@ -19,7 +19,7 @@ import torch
 
 from engine_throughput import chat_prompts
 from quantkit.models.loader import load_tokenizer
-from quantkit.serve import cpu_prefill
+from quantkit.kernels.cpu import paged_prefill as cpu_prefill
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16

@@ -2,7 +2,7 @@
 
 Each step the runner hands over one AttentionMetadata; every layer first stores the step's K/V at slot_mapping,
 then attends over the cache. The batch is ordered decodes first (one new token each), then prefill chunks.
-  TorchPagedAttention: CPU (and any dtype): decodes with the C kernel of cpu_attention.py when it builds (read
+  TorchPagedAttention: CPU (and any dtype): decodes with the C kernel of kernels/cpu/paged_decode.py when it builds (read
     through the block tables, no copies), else as one masked SDPA over their gathered blocks (GQA folded into the
     query axis, no K/V repeat); the prefill chunks all in one call of cpu_prefill.py's AMX kernel where it runs
     (bf16, head_dim 64/128), else each chunk with SDPA, causal over its cached context.
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from quantkit.serve import cpu_prefill
-from quantkit.serve.cpu_attention import paged_decode
+from quantkit.kernels.cpu import paged_prefill as cpu_prefill
+from quantkit.kernels.cpu.paged_decode import paged_decode
 
 
 @dataclass
@@ -39,10 +39,10 @@ class TorchPagedAttention:
                  fused_ops=None, prefill_kernel=None):
         self.kv_caches = kv_caches  # per layer (k_cache, v_cache) [num_blocks, block_size, Hkv, D]
         self.scale = scale
-        self.decode_kernel = decode_kernel  # cpu_attention.load_decode_kernel() or None
+        self.decode_kernel = decode_kernel  # kernels.cpu.paged_decode.load_decode_kernel() or None
         # cpu_prefill.load_prefill_kernel(), or None (also when it does not take this cache's dtype or head_dim)
         self.prefill_kernel = prefill_kernel if cpu_prefill.supports(kv_caches[0][0]) else None
-        self.fused_ops = fused_ops  # cpu_fused.CpuFusedOps (its kv_store) or None
+        self.fused_ops = fused_ops  # kernels.cpu.fused.CpuFusedOps (its kv_store) or None
         self.meta: AttentionMetadata | None = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:

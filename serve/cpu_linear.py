@@ -1,7 +1,7 @@
 """Serving-time linears for CPU bf16.
 
 PackedLinear: the weight reordered once for the matmul kernel, instead of on every call as aten's mm does. On CPUs
-with AMX the VNNI layout of serve/cpu_gemm.py (its tile GEMM: 1.5x oneDNN's at decode batch sizes), otherwise
+with AMX the VNNI layout of kernels/cpu/gemm.py (its tile GEMM: 1.5x oneDNN's at decode batch sizes), otherwise
 oneDNN's blocked layout (AMX/AVX-512 BF16 kernels). Same products and fp32 accumulation as nn.Linear.
 
 FusedLinear (AMX only): the linears that read one input (q/k/v, gate/up) as one GEMM on their weights concatenated
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
-from quantkit.serve import cpu_gemm
+from quantkit.kernels.cpu import gemm as cpu_gemm
 
 
 class PackedLinear(nn.Module):

@@ -16,14 +16,14 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.serve import cpu_gemm
+from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, TritonPagedAttention
 from quantkit.serve.capacity import capacity_line, kv_bytes_per_token, num_kv_blocks
 from quantkit.serve.config import EngineConfig
-from quantkit.serve.cpu_attention import load_decode_kernel
-from quantkit.serve.cpu_fused import CpuFusedOps
+from quantkit.kernels.cpu.paged_decode import load_decode_kernel
+from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.serve.cpu_linear import can_pack, fuse_projections, pack_linears
-from quantkit.serve.cpu_prefill import load_prefill_kernel
+from quantkit.kernels.cpu.paged_prefill import load_prefill_kernel
 from quantkit.serve.scheduler import ScheduledSeq, SchedulerOutput
 from quantkit.serve.sequence import Sequence
 

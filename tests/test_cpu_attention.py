@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.serve.cpu_attention import load_decode_kernel, paged_decode
+from quantkit.kernels.cpu.paged_decode import load_decode_kernel, paged_decode
 
 
 def reference(q, k_cache, v_cache, block_tables, seq_lens, scale):

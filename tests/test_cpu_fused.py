@@ -1,4 +1,4 @@
-"""The fused CPU kernels (serve/cpu_fused.py) against the model's plain torch ops (TorchOps), per dtype, on strided
+"""The fused CPU kernels (kernels/cpu/fused.py) against the model's plain torch ops (TorchOps), per dtype, on strided
 views like the ones the runner hands them, and a whole model run through each."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding, TorchOps
-from quantkit.serve.cpu_fused import CpuFusedOps
+from quantkit.kernels.cpu.fused import CpuFusedOps
 from tests.conftest import tiny_hf_config
 
 # fp32: the kernels' exp and reciprocal are polynomial (~1e-7 relative); bf16/fp16: one rounding step of the

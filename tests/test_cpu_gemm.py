@@ -1,4 +1,4 @@
-"""serve/cpu_gemm.py (AMX tile GEMMs) and serve/cpu_linear.py (PackedLinear, FusedLinear) against independent references.
+"""kernels/cpu/gemm.py (AMX tile GEMMs) and serve/cpu_linear.py (PackedLinear, FusedLinear) against independent references.
 
 Exactness: one-hot input rows select single weights; an fp32 sum of one bf16 product rounded back to bf16 is that
 weight exactly, so the identity matrix through the GEMM must reproduce W.T bit for bit (every tile, padded last
@@ -16,8 +16,8 @@ from quantkit.config import QuantScheme
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig
 from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
 from quantkit.quant.scheme import quantize_rtn
-from quantkit.serve import cpu_gemm
-from quantkit.serve.cpu_fused import CpuFusedOps
+from quantkit.kernels.cpu import gemm as cpu_gemm
+from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.serve.cpu_linear import FusedLinear, PackedLinear, fuse_projections, pack_linears
 from tests.conftest import tiny_hf_config
 
@@ -112,7 +112,7 @@ def tiny_model(quantized_bits: int | None):
 @pytest.mark.parametrize("ops", ["torch", "fused"])
 def test_fused_projections_give_the_unfused_outputs_bit_for_bit(bits, tokens, ops):
     """Column blocks of a GEMM are computed independently, so one GEMM over q|k|v equals the three separate ones
-    exactly; the gate/up epilogue rounds both products to bf16 and applies the same SiLU code as cpu_fused's
+    exactly; the gate/up epilogue rounds both products to bf16 and applies the same SiLU code as kernels/cpu/fused.py's
     silu_mul. With the fused ops the model's logits must not move at all; with torch's SiLU (a different
     formula) the fused epilogue's is within bf16 rounding."""
     model = tiny_model(bits)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.serve import cpu_prefill
+from quantkit.kernels.cpu import paged_prefill as cpu_prefill
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention
 
 REL_TOL = 5e-3

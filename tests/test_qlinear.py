@@ -1,5 +1,5 @@
 """quant/qlinear.py: QLinear keeps the exact QTensor, its reference forward is dequantize-then-matmul, and every CPU
-packed-kernel path (torch's per-row kernels, the AMX dequant-GEMM of serve/cpu_gemm.py) reproduces
+packed-kernel path (torch's per-row kernels, the AMX dequant-GEMM of kernels/cpu/gemm.py) reproduces
 dequantize(qt) @ x.
 
 Exactness of the fast paths: the kernels take bf16 inputs and bf16 scale/zero terms and return bf16, so with power-of-two
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from quantkit.config import QuantScheme
 from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
-from quantkit.serve import cpu_gemm
+from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.quant.scheme import QTensor, dequantize, fit_qparams, quantize, quantize_rtn
 
 

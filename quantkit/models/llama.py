@@ -107,7 +107,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class TorchOps:
     """The per-token ops between the matmuls, in plain torch (any device, dtype and layout). A serving runner may
-    swap in fused kernels with the same contract (serve/cpu_fused.py) through LlamaForCausalLM.set_ops."""
+    swap in fused kernels with the same contract (kernels/cpu/fused.py) through LlamaForCausalLM.set_ops."""
 
     @staticmethod
     def rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float):

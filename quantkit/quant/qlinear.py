@@ -11,7 +11,7 @@ The QTensor is rebuilt exactly from these (`qtensor()`), so checkpoint writers s
 
 Forward, chosen per call:
   CUDA              quantkit.kernels.triton.qgemm: prepare(qtensor) once per device, matmul(x, prepared) per call.
-  CPU with AMX, bfloat16, M >= _AMX_MIN_M   serve/cpu_gemm.py: dequantize pairs of 16-column blocks into L2 and
+  CPU with AMX, bfloat16, M >= _AMX_MIN_M   kernels/cpu/gemm.py: dequantize pairs of 16-column blocks into L2 and
                     run AMX tile matmuls on them (its own packed copy: ~0.63 B/weight at 4 bit), where torch's
                     per-row kernels are 6-8x slower than a bf16 matmul at 64 rows; at prefill sizes one C
                     dequantization of the whole weight, then the same AMX GEMM
@@ -41,7 +41,7 @@ from quantkit.quant.scheme import QTensor, dequantize, num_groups, pack_nibbles,
 # a kernel costs ~22 us per row per 0.9M weights (~45 us for the two-call int8_hilo), one dequantization ~2 ms).
 _KERNEL_MAX_M = {"int4": 64, "int8": 64, "int8_hilo": 32}
 _TINYGEMM_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
-# CPUs with AMX (serve/cpu_gemm.py): below _AMX_MIN_M rows torch's per-row kernel skips the dequantization and
+# CPUs with AMX (kernels/cpu/gemm.py): below _AMX_MIN_M rows torch's per-row kernel skips the dequantization and
 # wins; from there the AMX dequant-GEMM (bench/qlinear_cpu.py)
 _AMX_MIN_M = 5
 
@@ -144,7 +144,7 @@ class QLinear(nn.Module):
         """Build (once) the AMX dequant-GEMM's packed weight; None without AMX or for shapes it does not take."""
         if self._amx is None:
             self._amx = ("none", None)
-            from quantkit.serve import cpu_gemm
+            from quantkit.kernels.cpu import gemm as cpu_gemm
 
             qt = self.qtensor()
             layout = _contiguous_groups(qt) if cpu_gemm.available() else None
@@ -157,8 +157,8 @@ class QLinear(nn.Module):
 
 
 def _run_amx(kernel: tuple[str, Any], x2: torch.Tensor, bits: int) -> torch.Tensor:
-    """x2 [M, K] bf16 -> [M, N] bf16 through serve/cpu_gemm.py's AMX dequant-GEMM."""
-    from quantkit.serve import cpu_gemm
+    """x2 [M, K] bf16 -> [M, N] bf16 through kernels/cpu/gemm.py's AMX dequant-GEMM."""
+    from quantkit.kernels.cpu import gemm as cpu_gemm
 
     perm, packed = kernel[1]
     return cpu_gemm.matmul_packed(x2, perm, packed, bits)

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from quantkit.serve.cpu_build import C_DTYPES, C_EXP16, DTYPE_CODES, load_library
+from quantkit.kernels.cpu.build import C_DTYPES, C_EXP16, DTYPE_CODES, load_library
 
 MAX_HEAD_DIM, MAX_GROUP = 256, 16
 

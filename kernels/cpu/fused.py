@@ -19,7 +19,7 @@ import ctypes
 import torch
 
 from quantkit.models.llama import TorchOps
-from quantkit.serve.cpu_build import C_DTYPES, C_SILU, DTYPE_CODES, load_library
+from quantkit.kernels.cpu.build import C_DTYPES, C_SILU, DTYPE_CODES, load_library
 
 C_SOURCE = C_DTYPES + C_SILU + r"""
 #include <math.h>

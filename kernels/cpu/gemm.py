@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from quantkit.serve.cpu_build import C_AMX, C_DTYPES, C_SILU, load_library
+from quantkit.kernels.cpu.build import C_AMX, C_DTYPES, C_SILU, load_library
 
 C_SOURCE = C_DTYPES + C_SILU + C_AMX + r"""
 #include <stdlib.h>

@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from quantkit.serve.cpu_build import C_AMX, C_DTYPES, C_EXP16, load_library
+from quantkit.kernels.cpu.build import C_AMX, C_DTYPES, C_EXP16, load_library
 
 C_SOURCE = C_DTYPES + C_AMX + C_EXP16 + r"""
 #include <math.h>
@@ -183,7 +183,7 @@ HEAD_DIMS = (64, 128)
 
 def load_prefill_kernel():
     """The compiled paged_prefill function, or None without AMX (CPU flags, kernel permission or compiler)."""
-    from quantkit.serve import cpu_gemm
+    from quantkit.kernels.cpu import gemm as cpu_gemm
 
     if not cpu_gemm.available():  # the same AMX checks (and the tile permission, asked once per process)
         return None
