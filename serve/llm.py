@@ -29,7 +29,8 @@ def build_engine(model=None, **engine_kwargs) -> LLMEngine:
 
     engine_kwargs: EngineConfig fields; dtype "auto" = bfloat16 on CPU, the checkpoint's half type on CUDA.
     """
-    from quantkit.models.loader import Loaded, load_model, read_hf_config, resolve
+    from quantkit.files import read_hf_config
+    from quantkit.models.loader import Loaded, load_model, resolve
 
     unknown = set(engine_kwargs) - ENGINE_FIELDS
     if unknown:

@@ -65,7 +65,8 @@ def run_server(options: ServerOptions, engine_config: EngineConfig) -> int:
 
     from transformers import AutoTokenizer
 
-    from quantkit.models.loader import read_hf_config, resolve
+    from quantkit.files import read_hf_config
+    from quantkit.models.loader import resolve
     from quantkit.serve.api import build_app
     from quantkit.serve.engine_process import EngineProcess
 

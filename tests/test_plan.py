@@ -69,7 +69,7 @@ def test_kv_per_token_is_gqa_aware():
 
 def test_capacity_uses_the_engine_functions(bundled_dir):
     """For the bundled model and a fixed budget, plan's blocks are the engine's num_kv_blocks."""
-    from quantkit.models.loader import read_hf_config
+    from quantkit.files import read_hf_config
 
     hf = read_hf_config(bundled_dir)
     budget = 3_000_000_000

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from quantkit.files import cache_root
+
 log = logging.getLogger("quantkit.serve")
 
 # -fno-trapping-math lets the vectoriser if-convert clamps; nothing here reads floating-point exception flags
@@ -153,8 +155,6 @@ def load_library(name: str, source: str, signatures: dict[str, list]) -> ctypes.
     the callers use (other functions keep ctypes' int return)."""
     if name in _loaded:
         return _loaded[name]
-    from quantkit.models.loader import cache_root
-
     key = hashlib.sha256((source + " ".join(FLAGS) + _cpu_signature() + torch.__version__).encode()).hexdigest()
     path = cache_root() / "kernels" / f"{name}-{key[:16]}.so"
     try:

@@ -63,7 +63,8 @@ def register(app: typer.Typer) -> None:
         from quantkit.data import calibration_batches
         from quantkit.errors import QuantkitError
         from quantkit.formats.checkpoint import save_checkpoint
-        from quantkit.models.loader import load_model, read_hf_config, resolve
+        from quantkit.files import read_hf_config
+        from quantkit.models.loader import load_model, resolve
         from quantkit.quant.calibrate import calibrate, make_method
         from quantkit.recipes import calib_config, load_recipe
 

@@ -38,7 +38,8 @@ def register(app: typer.Typer) -> None:
         from quantkit.atomic import write_json
         from quantkit.benchmark.plan import format_plan, gpu_from_args, make_plan, quant_of_folder
         from quantkit.models.llama import ModelConfig
-        from quantkit.models.loader import load_tokenizer, read_hf_config, resolve
+        from quantkit.files import read_hf_config
+        from quantkit.models.loader import load_tokenizer, resolve
 
         folder, name = resolve(model)
         hf = read_hf_config(folder)

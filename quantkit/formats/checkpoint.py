@@ -23,6 +23,7 @@ from torch import nn
 from quantkit.config import LAYOUTS, QuantScheme
 from quantkit.atomic import temp_dir_beside
 from quantkit.errors import QuantkitError
+from quantkit.files import read_json, read_safetensors
 from quantkit.formats import awq, compressed_tensors, gptq
 from quantkit.quant.qlinear import QLinear
 from quantkit.quant.scheme import QTensor
@@ -246,11 +247,10 @@ def read_quantized(folder) -> QuantizedFolder:
     Verifies the sha256 of every file quantkit.json lists; a missing, modified or truncated file is a QuantkitError
     naming it.
     """
-    from quantkit.models.loader import read_safetensors
 
     folder = Path(folder)
     meta = _verified_meta(folder)
-    hf_config = _read_json(folder / "config.json")
+    hf_config = read_json(folder / "config.json")
     qcfg = _quantization_config(folder, hf_config)
     layout = detect_layout(qcfg, folder)
     tensors = read_safetensors(folder)
@@ -286,9 +286,9 @@ def _quantization_config(folder: Path, hf_config: dict) -> dict:
     if hf_config.get("quantization_config"):
         return hf_config["quantization_config"]
     if (folder / "quantize_config.json").is_file():
-        return {"quant_method": "gptq", **_read_json(folder / "quantize_config.json")}
+        return {"quant_method": "gptq", **read_json(folder / "quantize_config.json")}
     if (folder / "quant_config.json").is_file():
-        return {"quant_method": "awq", **_read_json(folder / "quant_config.json")}
+        return {"quant_method": "awq", **read_json(folder / "quant_config.json")}
     raise QuantkitError(f"{folder / 'config.json'}: no quantization_config: not a quantized checkpoint")
 
 
@@ -297,7 +297,7 @@ def _verified_meta(folder: Path) -> Optional[dict]:
     path = folder / META_FILE
     if not path.is_file():
         return None
-    meta = _read_json(path)
+    meta = read_json(path)
     for name, digest in (meta.get("files") or {}).items():
         f = folder / name
         if not f.is_file():
@@ -306,11 +306,3 @@ def _verified_meta(folder: Path) -> Optional[dict]:
             raise QuantkitError(f"{f}: sha256 does not match {META_FILE} (file modified or truncated): re-create or re-download the checkpoint")
     return meta
 
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise QuantkitError(f"{path}: missing")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise QuantkitError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None

@@ -24,6 +24,7 @@ from torch import nn
 
 from quantkit.atomic import temp_dir_beside
 from quantkit.errors import QuantkitError
+from quantkit.files import cache_root, read_hf_config, read_safetensors
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -40,10 +41,6 @@ class Loaded:
     source: str
     path: Path
     quant_meta: Optional[dict] = None
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
 
 
 def bundled_gguf() -> Path:
@@ -130,13 +127,6 @@ def _from_hf_cache(repo_id: str) -> Path:
         ) from None
 
 
-def read_hf_config(folder: Path) -> dict:
-    try:
-        return json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise QuantkitError(f"{folder / 'config.json'}:{e.lineno}: invalid JSON ({e.msg})") from None
-
-
 def load_tokenizer(source: Optional[str] = None):
     from transformers import AutoTokenizer
 
@@ -183,25 +173,6 @@ def _build_quantized(folder: Path, hf_config: dict, dtype: torch.dtype) -> tuple
         setattr(parent, child, QLinear.from_qtensor(qt, None if bias is None else bias.to(dtype)))
     load_state(model, q.float_tensors, folder, dtype)
     return model, q.meta
-
-
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise QuantkitError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors weights load)")
-    state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        try:
-            state.update(load_file(str(folder / shard)))
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-            raise QuantkitError(f"{folder / shard}: cannot read safetensors file ({e})") from None
-    return state
 
 
 def load_state(model: LlamaForCausalLM, state: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> None:

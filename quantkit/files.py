@@ -1,0 +1,56 @@
+"""Reading the files a model folder holds, and where quantkit caches what it builds. A leaf: it imports nothing of
+quantkit but the error type, so the loader, the checkpoint reader and the kernel build all read through it without
+importing each other.
+
+(Writes are atomic and live in quantkit/atomic.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+
+def cache_root() -> Path:
+    """$QUANTKIT_CACHE, else ~/.cache/quantkit: converted bundled models, compiled CPU kernels."""
+    return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file, or a QuantkitError naming the file (and the line of a syntax error)."""
+    if not path.is_file():
+        raise QuantkitError(f"{path}: missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise QuantkitError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def read_hf_config(folder: Path) -> dict:
+    """folder/config.json as a dict."""
+    return read_json(folder / "config.json")
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's model.safetensors, or of the shards its index names."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(read_json(index)["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise QuantkitError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors weights load)")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        try:
+            state.update(load_file(str(folder / shard)))
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise QuantkitError(f"{folder / shard}: cannot read safetensors file ({e})") from None
+    return state
