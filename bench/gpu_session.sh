@@ -39,9 +39,9 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for arg in "$@"; do
     case $arg in
         tests) stage tests "${TESTS_LIMIT:-120}" python3 -m pytest -q -rf -p no:cacheprovider \
-                   tests/test_kernels_qgemm.py tests/test_kernels_attention.py tests/test_kernels_fused.py \
-                   tests/test_kernels_compile.py \
-                   tests/test_qlinear.py::test_cuda_forward_matches_reference_and_keeps_the_qtensor ;;
+                   tests/kernels/test_kernels_qgemm.py tests/kernels/test_kernels_attention.py tests/kernels/test_kernels_fused.py \
+                   tests/kernels/test_kernels_compile.py \
+                   tests/quantkit/test_qlinear.py::test_cuda_forward_matches_reference_and_keeps_the_qtensor ;;
         kernels) stage kernels "${KERNELS_LIMIT:-200}" python3 bench/kernels.py --quick --out "$OUT/kernels.json" ;;
         engine) stage engine "${ENGINE_LIMIT:-200}" python3 bench/engine_gpu.py --inputs "$INPUTS" \
                     --shapes smollm2-135m --out "$OUT/engine.json" ${ENGINE_ARGS:-} ;;

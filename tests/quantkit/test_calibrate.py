@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, tiny_hf_config
+from tests.conftest import REPO, tiny_hf_config
 from quantkit.config import CalibConfig
 from quantkit.data import CalibData
 from quantkit.errors import QuantkitError
@@ -122,8 +122,8 @@ def calibrate_and_save(work: Path, out: Path, method: str, log=print) -> None:
 KILLED_CHILD = textwrap.dedent("""
     import os, signal, sys, torch
     torch.set_num_threads(1)
-    sys.path.insert(0, {tests!r})
-    from test_calibrate import calibrate_and_save
+    sys.path.insert(0, {repo!r})
+    from tests.quantkit.test_calibrate import calibrate_and_save
     from quantkit.quant import resume
 
     save_inputs = resume.WorkFolder.save_inputs
@@ -141,7 +141,7 @@ KILLED_CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("method", ["gptq", "awq"])  # AWQ also rescales the norms the work folder must restore
 def test_sigkill_after_second_block_then_resume_gives_same_bytes(tmp_path, method):
     work, resumed = tmp_path / "work", tmp_path / "resumed"
-    script = KILLED_CHILD.format(tests=str(REPO / "tests"), work=str(work), out=str(resumed), method=method)
+    script = KILLED_CHILD.format(repo=str(REPO), work=str(work), out=str(resumed), method=method)
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert killed.returncode == -9, killed.stderr
     assert not resumed.exists()

@@ -1,5 +1,5 @@
 """Compile every quantkit Triton kernel to a cubin for one GPU architecture without a GPU (the ptxas bundled with
-triton does the last step). Run as `python tests/kernel_compile_check.py 90` with TRITON_INTERPRET unset;
+triton does the last step). Run as `python tests/kernels/kernel_compile_check.py 90` with TRITON_INTERPRET unset;
 tests/test_kernels_compile.py runs it for sm_90. Prints "compiled <n> kernels for sm_<arch>".
 """
 

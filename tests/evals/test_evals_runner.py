@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from quantkit.evals.runner import EvalSpec, run
-from tests.evals_tiny import save_tiny, tiny_model
+from tests.evals.evals_tiny import save_tiny, tiny_model
 
 DATA_ROWS = [
     {"text": "A first paragraph of plain text about rivers and the sea. " * 6},

@@ -202,7 +202,7 @@ def test_rtn_layer_output_close_to_float_linear():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", ["w4g128-asym-act", "w8g64-asym"])
 def test_cuda_forward_matches_reference_and_keeps_the_qtensor(case):
-    """On CUDA QLinear calls quantkit.kernels.triton.qgemm; fp16 tolerance as in tests/test_kernels_qgemm.py."""
+    """On CUDA QLinear calls quantkit.kernels.triton.qgemm; fp16 tolerance as in tests/kernels/test_kernels_qgemm.py."""
     n, k, bits, g, sym, act, _ = FAST[case]
     qt = make_qtensor(n, k, bits, g, sym, act, seed=7)
     bias = torch.randn(n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_hf_config
+from tests.conftest import tiny_hf_config
 from quantkit.config import QuantScheme
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig
 from quantkit.models.registry import arch_spec

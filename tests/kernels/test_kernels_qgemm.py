@@ -1,6 +1,6 @@
 """Dequant-GEMM kernels (repack, dequantize, split-K GEMV, tiled GEMM, qgemm dispatch) against torch references.
 
-Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (tests/triton_env.py); with a GPU and
+Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (tests/kernels/triton_env.py); with a GPU and
 TRITON_INTERPRET=0 the same tests run compiled on CUDA. The references are checked against quantkit's format
 spec (scheme.pack / scheme.dequantize) so they are independent of the kernels.
 
@@ -14,7 +14,7 @@ A wrong code, group, scale, zero or column shifts outputs by O(1) and fails thes
 
 from __future__ import annotations
 
-from tests.triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton loads
+from tests.kernels.triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton loads
 
 import pytest
 import torch

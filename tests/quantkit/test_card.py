@@ -16,7 +16,7 @@ from quantkit.evals.bootstrap import Interval
 from quantkit.evals.report import MetricResult, Report, write
 from quantkit.formats.checkpoint import quantization_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "docs" / "sample-card" / "rtn-w4g64"
 SAMPLE_REPO = "OWNER/SmolLM2-135M-Instruct-rtn-w4g64"  # the --repo docs/sample-card/README.md's `quantkit card` names
 

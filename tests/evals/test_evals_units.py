@@ -18,7 +18,7 @@ from quantkit.evals.multiple_choice import choice_metrics
 from quantkit.evals.perplexity import perplexity, text_windows
 from quantkit.evals.report import MetricResult, Report, write
 from quantkit.evals.scoring import encode_pair, score_groups
-from tests.evals_tiny import tiny_model
+from tests.evals.evals_tiny import tiny_model
 
 
 @pytest.fixture(scope="module")

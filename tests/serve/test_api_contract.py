@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api_live import free_port, live_server, serving_app
+from tests.serve.api_live import free_port, live_server, serving_app
 
 pytestmark = pytest.mark.slow
 

@@ -1,13 +1,13 @@
 """Fused RMSNorm(+residual) and SiLU-gate kernels against the model's own modules and torch ops.
 
-Runs under TRITON_INTERPRET=1 on CPU (tests/triton_env.py), compiled on CUDA with TRITON_INTERPRET=0.
+Runs under TRITON_INTERPRET=1 on CPU (tests/kernels/triton_env.py), compiled on CUDA with TRITON_INTERPRET=0.
 Tolerances: fp32 1e-5; fp16 1 ulp (rtol 1e-3: tl.rsqrt may differ from torch.rsqrt in the last fp32 bit);
 bf16 2 ulps (rtol 1.6e-2: the interpreter converts fp32 -> bf16 by truncation, GPUs round to nearest).
 """
 
 from __future__ import annotations
 
-from tests.triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton loads
+from tests.kernels.triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton loads
 
 import pytest
 import torch

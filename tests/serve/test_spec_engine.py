@@ -16,8 +16,8 @@ from quantkit.serve.engine import LLMEngine
 from quantkit.serve.sampling_params import SamplingParams
 from quantkit.serve.speculative import target_probs
 from tests.conftest import tiny_hf_config
-from tests.test_engine import EOS, assert_same_or_tie, chat_prompts, dense_greedy, random_prompts, run_all
-from tests.test_spec_decode import ALPHA, chi_square_pvalue
+from tests.serve.test_engine import EOS, assert_same_or_tie, chat_prompts, dense_greedy, random_prompts, run_all
+from tests.serve.test_spec_decode import ALPHA, chi_square_pvalue
 
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny config: K and V x 2 layers x 2 kv heads x head_dim 16 x fp32
 
@@ -228,7 +228,7 @@ def test_http_server_with_ngram_speculation_streams_the_same_text_and_exports_me
     from openai import OpenAI
 
     from quantkit.serve.llm import LLM
-    from tests.api_live import live_server, serving_app
+    from tests.serve.api_live import live_server, serving_app
 
     lines = "\n".join(f"{i}. the quick brown fox jumps over the lazy dog" for i in range(1, 9))
     prompt = f"{lines}\n9."

@@ -1,6 +1,6 @@
 """Paged KV-cache kernels (kv_store, decode attention, chunked-prefill attention) against torch references.
 
-Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (tests/triton_env.py); with a GPU and
+Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (tests/kernels/triton_env.py); with a GPU and
 TRITON_INTERPRET=0 the same tests run compiled on CUDA. The references gather K/V through the block table and
 are themselves checked against torch's scaled_dot_product_attention on the unpaged K/V.
 
@@ -12,7 +12,7 @@ Tolerances: probabilities and P @ V run on fp16/bf16 operands with fp32 accumula
 
 from __future__ import annotations
 
-from tests.triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton loads
+from tests.kernels.triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton loads
 
 import pytest
 import torch

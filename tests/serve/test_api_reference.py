@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.api_live import live_server, serving_app
+from tests.serve.api_live import live_server, serving_app
 
 pytestmark = pytest.mark.slow
 

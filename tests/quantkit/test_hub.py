@@ -1,4 +1,4 @@
-"""`quantkit push` against a real HTTP Hub stand-in on 127.0.0.1 (tests/hub_standin.py), through huggingface_hub."""
+"""`quantkit push` against a real HTTP Hub stand-in on 127.0.0.1 (tests/quantkit/hub_standin.py), through huggingface_hub."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from quantkit.config import QuantScheme
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import quantization_config
 from quantkit.hub import push
-from tests.hub_standin import HubStandin
+from tests.quantkit.hub_standin import HubStandin
 
 CARD = "---\nlicense: apache-2.0\ntags:\n- quantized\n---\n# tiny\n"
 
