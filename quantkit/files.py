@@ -46,7 +46,8 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     elif (folder / "model.safetensors").is_file():
         shards = ["model.safetensors"]
     else:
-        raise QuantkitError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors weights load)")
+        raise QuantkitError(f"{folder}: no model.safetensors or model.safetensors.index.json "
+                            "(only safetensors weights load)")
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         try:

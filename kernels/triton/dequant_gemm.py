@@ -37,16 +37,10 @@ def _prune(configs, named_args, **kwargs):
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr,  # [M, K] fp16/bf16, column stride 1
-    qw_ptr, s_ptr, z_ptr,  # PackedWeight qweight int32 [KW, N], scales fp16 [G, N], zeros uint8 [G, N]
-    perm_ptr,  # int32 [K]: x column of packed row k (read only when HAS_PERM)
-    bias_ptr,  # [N] x.dtype (read only when HAS_BIAS)
-    out_ptr,  # [M, N] x.dtype, column stride 1
-    M, N, K, M_BUCKET,  # M_BUCKET: autotune key only
-    stride_xm, stride_om, stride_qw, stride_sg,
-    BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,  # the dequant-matmul arguments (dequantize.py)
+    M, N, K, M_BUCKET, stride_xm, stride_om, stride_qw, stride_sg,
+    BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # program id -> (pid_m, pid_n), walking GROUP_M row tiles down one column band before moving right
     pid = tl.program_id(0)

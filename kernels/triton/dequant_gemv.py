@@ -53,18 +53,12 @@ def _prune(configs, named_args, **kwargs):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [M, K] fp16/bf16, column stride 1
-    qw_ptr, s_ptr, z_ptr,  # PackedWeight qweight int32 [KW, N], scales fp16 [G, N], zeros uint8 [G, N]
-    perm_ptr,  # int32 [K]: x column of packed row k (read only when HAS_PERM)
-    bias_ptr,  # [N] x.dtype (read only when HAS_BIAS)
-    out_ptr,  # [M, N] x.dtype, column stride 1
+    x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,  # the dequant-matmul arguments (dequantize.py)
     ws_ptr,  # fp32 workspace, >= SPLIT_K * M * N elements: the partial sums, slice pid_k at pid_k * M * N
     cnt_ptr,  # int32 arrival counters, >= cdiv(N, BLOCK_N), all zero on entry and on exit
-    M, N, K, M_BUCKET,  # M_BUCKET: autotune key only
-    stride_xm, stride_om, stride_qw, stride_sg,
-    BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    M, N, K, M_BUCKET, stride_xm, stride_om, stride_qw, stride_sg,
+    BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)

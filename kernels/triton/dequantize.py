@@ -110,6 +110,14 @@ def check_matmul_inputs(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | 
     assert bias is None or (bias.dtype == x.dtype and tuple(bias.shape) == (n,) and bias.stride(0) == 1), "bias [N]"
 
 
+# The dequant-matmul kernels' (dequant_gemm, dequant_gemv) arguments, in this order:
+#   x_ptr     [M, K] fp16/bf16, column stride stride_xm between rows, 1 between columns
+#   qw_ptr, s_ptr, z_ptr   PackedWeight qweight int32 [KW, N], scales fp16 [G, N], zeros uint8 [G, N] (weight_args)
+#   perm_ptr  int32 [K]: x column of packed row k (read only when HAS_PERM)
+#   bias_ptr  [N] x.dtype (read only when HAS_BIAS)
+#   out_ptr   [M, N] x.dtype, row stride stride_om, column stride 1
+#   M, N, K, M_BUCKET (an autotune key only), stride_xm, stride_om, stride_qw, stride_sg (weight strides)
+#   BITS, GROUP_K, SYM, HAS_PERM (weight_meta), HAS_BIAS, FP32_DOT (common.fp32_dot), then each kernel's tiles
 def weight_args(pw: PackedWeight) -> tuple:
     """(qweight, scales, zeros, perm) kernel pointers; a dummy for perm when there is none (HAS_PERM=False)."""
     return pw.qweight, pw.scales, pw.zeros, pw.perm if pw.perm is not None else pw.qweight
