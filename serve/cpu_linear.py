@@ -131,21 +131,3 @@ def _split(t: torch.Tensor, blocks: list[int], interleave: bool) -> tuple[torch.
     """Each part's blocks of _concat's result, as views (strided every other block when interleaved)."""
     return (t[0::2], t[1::2]) if interleave else t.split(blocks)
 
-
-def fuse_projections(model: nn.Module) -> int:
-    """Give each attention block a qkv_proj FusedLinear and each MLP a gate_up_silu one where their parts fuse (the
-    model's forward then calls those); returns how many were fused."""
-    from quantkit.models.llama import MLP, Attention
-
-    fused = 0
-    for module in list(model.modules()):
-        if isinstance(module, Attention):
-            name, fusion = "qkv_proj", FusedLinear.of([module.q_proj, module.k_proj, module.v_proj])
-        elif isinstance(module, MLP):
-            name, fusion = "gate_up_silu", FusedLinear.of([module.gate_proj, module.up_proj], module)
-        else:
-            continue
-        # a plain attribute, not a submodule: it holds no parameters, and the model's state stays as loaded
-        object.__setattr__(module, name, fusion)
-        fused += fusion is not None
-    return fused

@@ -16,14 +16,12 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, TritonPagedAttention
 from quantkit.serve.capacity import capacity_line, kv_bytes_per_token, num_kv_blocks
 from quantkit.serve.config import EngineConfig
 from quantkit.kernels.cpu.paged_decode import load_decode_kernel
-from quantkit.kernels.cpu.fused import CpuFusedOps
-from quantkit.serve.cpu_linear import can_pack, fuse_projections, pack_linears
 from quantkit.kernels.cpu.paged_prefill import load_prefill_kernel
+from quantkit.serve.prepare import prepare_model
 from quantkit.serve.scheduler import ScheduledSeq, SchedulerOutput
 from quantkit.serve.sequence import Sequence
 
@@ -72,15 +70,8 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
         self.vocab_size = mc.vocab_size
         self.block_size = engine_cfg.block_size
-        if can_pack(dtype, self.device):
-            log.info("prepacked %d Linear weights (bf16)", pack_linears(model, engine_cfg.max_num_batched_tokens))
-        self.fused_ops = CpuFusedOps.load() if self.device.type == "cpu" and engine_cfg.attention_backend == "auto" \
-            else None
-        if self.fused_ops is not None:
-            model.set_ops(self.fused_ops)
-        if self.device.type == "cpu" and dtype == torch.bfloat16 and cpu_gemm.available():
-            fused = fuse_projections(model)
-            log.info("fused %d q/k/v and gate/up-SiLU projections", fused)
+        self.fused_ops = prepare_model(model, self.device, dtype, engine_cfg.max_num_batched_tokens,
+                                       fused_ops=engine_cfg.attention_backend == "auto")
         self.bytes_per_token = kv_bytes_per_token(mc, torch.empty((), dtype=dtype).element_size())
         self.num_blocks = num_blocks or self._plan_blocks(self.bytes_per_token + shared_kv_bytes_per_token)
         if self.num_blocks * self.block_size < max_model_len:

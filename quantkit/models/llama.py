@@ -149,7 +149,6 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     ops = TorchOps
-    qkv_proj = None  # a serving runner may set one module computing (q, k, v) (serve/cpu_linear.py)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, linear_cls: Callable[..., nn.Module]):
         super().__init__()
@@ -164,7 +163,7 @@ class Attention(nn.Module):
     def forward(self, x, positions, rotary, attn: Optional[AttentionBackend]):
         # x [*lead, H] with lead = (B, L) dense or (T,) paged; positions [*lead] or [L]
         lead = x.shape[:-1]
-        q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = self.project(x)
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)
@@ -179,10 +178,14 @@ class Attention(nn.Module):
             out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [*lead, H] -> q [*lead, Hq * D], k, v [*lead, Hkv * D] (a serving runner may override it with one
+        fused GEMM: serve/prepare.py)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
 
 class MLP(nn.Module):
     ops = TorchOps
-    gate_up_silu = None  # a serving runner may set one module computing silu(gate(x)) * up(x) (serve/cpu_linear.py)
 
     def __init__(self, cfg: ModelConfig, linear_cls: Callable[..., nn.Module]):
         super().__init__()
@@ -191,9 +194,12 @@ class MLP(nn.Module):
         self.down_proj = linear_cls(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        if self.gate_up_silu is not None:
-            return self.down_proj(self.gate_up_silu(x))
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.activated(x))
+
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        """x [*lead, H] -> silu(gate(x)) * up(x) [*lead, I] (a serving runner may override it with one fused GEMM
+        and its epilogue: serve/prepare.py)."""
+        return self.ops.silu_mul(self.gate_proj(x), self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

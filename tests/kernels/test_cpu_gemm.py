@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.config import QuantScheme
-from quantkit.models.llama import LlamaForCausalLM, ModelConfig
+from quantkit.models.llama import Attention, LlamaForCausalLM, ModelConfig
 from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
 from quantkit.quant.scheme import quantize_rtn
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
-from quantkit.serve.cpu_linear import FusedLinear, PackedLinear, fuse_projections, pack_linears
+from quantkit.serve.cpu_linear import FusedLinear, PackedLinear, pack_linears
+from quantkit.serve.prepare import FusedAttention, FusedMLP, fuse_projections
 from tests.conftest import tiny_hf_config
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU has no AMX (or Linux refused it)")
@@ -119,12 +120,14 @@ def test_fused_projections_give_the_unfused_outputs_bit_for_bit(bits, tokens, op
     if ops == "fused":
         model.set_ops(CpuFusedOps.load())
     ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    state_keys = list(model.state_dict())
     with torch.no_grad():
         before = model(ids)
         assert fuse_projections(model) == 4  # 2 layers x (qkv, gate/up-SiLU)
         attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-        assert isinstance(attn.qkv_proj, FusedLinear) and attn.qkv_proj.sizes == [64, 32, 32]
-        assert isinstance(mlp.gate_up_silu, FusedLinear) and mlp.gate_up_silu.act
+        assert isinstance(attn, FusedAttention) and attn.fused_qkv.sizes == [64, 32, 32]
+        assert isinstance(mlp, FusedMLP) and isinstance(mlp.fused_gate_up, FusedLinear) and mlp.fused_gate_up.act
+        assert [k for k, _ in model.state_dict().items()] == state_keys  # the model's state stays as loaded
         after = model(ids)
         alone = model.model.layers[1].mlp.gate_proj(torch.randn(5, 64).bfloat16())  # parts still run on their own
     if ops == "fused" or (bits is not None and tokens < _AMX_MIN_M):
@@ -140,4 +143,4 @@ def test_projections_with_different_packings_stay_apart():
     scheme = QuantScheme(bits=8, group_size=32, sym=False)
     attn.v_proj = QLinear.from_qtensor(quantize_rtn(torch.randn(32, 64), scheme))
     fuse_projections(model)
-    assert attn.qkv_proj is None and model.model.layers[0].mlp.gate_up_silu is not None
+    assert type(attn) is Attention and isinstance(model.model.layers[0].mlp, FusedMLP)
