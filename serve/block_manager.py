@@ -1,18 +1,27 @@
 """The KV block pool in pure Python: free list, reference counts, prefix caching, LRU eviction.
 
 Blocks hold block_size tokens of one sequence's KV (all layers). A full block can be cached under
-hash(parent block hash, its token ids); a cached block whose ref count drops to 0 stays reusable in an LRU
+block_key(parent key, its token ids): SHA-256 over the parent's digest and the tokens, so no crafted prompt can
+collide with another request's prefix and be served its KV (Python's hash() of a tuple can be made to collide:
+vLLM moved to SHA-256 for the same reason). A cached block whose ref count drops to 0 stays reusable in an LRU
 until its id is needed for new tokens. Free ids = never-cached free blocks + the LRU (oldest evicted first).
 Every method either succeeds or leaves the state unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 from quantkit.serve.sequence import Sequence
 
-ROOT_HASH = 0x5EED
+ROOT_KEY = b"quantkit-prefix-v1"
+
+
+def block_key(parent: bytes, tokens: list[int]) -> bytes:
+    """SHA-256 digest (32 bytes) of the parent block's key and this block's token ids (int64, native order)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
 class BlockManager:
@@ -21,10 +30,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))  # ref 0, not cached
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, cached; least recently used first
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block key -> block id
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) KV copies to run before the next forward
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of which found in the cache
@@ -46,12 +55,12 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache
-    def full_block_hashes(self, seq: Sequence) -> list[int]:
-        """Hashes of every full block of seq.token_ids (extends seq.block_hashes incrementally)."""
+    def full_block_hashes(self, seq: Sequence) -> list[bytes]:
+        """Keys of every full block of seq.token_ids (extends seq.block_hashes incrementally)."""
         bs, hashes, tokens = self.block_size, seq.block_hashes, seq.token_ids
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else ROOT_KEY
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            parent = block_key(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)
         return hashes
 

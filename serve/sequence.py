@@ -42,7 +42,7 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hash of each full block of token_ids, filled lazily
+        self.block_hashes: list[bytes] = []  # prefix-cache key of each full block of token_ids, filled lazily
         self.num_cached_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         # speculative decoding (serve/speculative.py)
         self.spec_token_ids: list[int] = []  # draft tokens to verify in this step, after token_ids

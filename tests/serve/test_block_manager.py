@@ -143,3 +143,18 @@ def test_reset_prefix_cache():
     bm.reset_prefix_cache()
     assert bm.cached == {} and not bm.evictable and bm.num_free_blocks == 4
     assert bm.lookup_prefix(make_seq([1, 2, 3, 4, 5])) == []
+
+
+def test_block_keys_are_sha256_of_the_parent_key_and_the_tokens():
+    import hashlib
+    import struct
+
+    from quantkit.serve.block_manager import ROOT_KEY
+
+    bm = BlockManager(num_blocks=4, block_size=4)
+    seq = make_seq([5, 6, 7, 8, 9, 10, 11, 12, 13])
+    first = hashlib.sha256(ROOT_KEY + struct.pack("=4q", 5, 6, 7, 8)).digest()
+    second = hashlib.sha256(first + struct.pack("=4q", 9, 10, 11, 12)).digest()
+    assert bm.full_block_hashes(seq) == [first, second]  # the partial third block has no key
+    other = make_seq([5, 6, 7, 8, 9, 10, 11, 2**40])  # same first block, a different second
+    assert bm.full_block_hashes(other)[0] == first and bm.full_block_hashes(other)[1] != second
