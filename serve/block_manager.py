@@ -3,7 +3,8 @@
 Blocks hold block_size tokens of one sequence's KV (all layers). A full block can be cached under
 block_key(parent key, its token ids): SHA-256 over the parent's digest and the tokens, so no crafted prompt can
 collide with another request's prefix and be served its KV (Python's hash() of a tuple can be made to collide:
-vLLM moved to SHA-256 for the same reason). A cached block whose ref count drops to 0 stays reusable in an LRU
+vLLM moved to SHA-256 for the same reason), and a hit is served only when the block's stored tokens equal the
+sequence's. A cached block whose ref count drops to 0 stays reusable in an LRU
 until its id is needed for new tokens. Free ids = never-cached free blocks + the LRU (oldest evicted first).
 Every method either succeeds or leaves the state unchanged.
 """
@@ -31,6 +32,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # of each cached block
         self.free_ids: deque[int] = deque(range(num_blocks))  # ref 0, not cached
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, cached; least recently used first
         self.cached: dict[bytes, int] = {}  # block key -> block id
@@ -69,10 +71,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits = []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        for h in self.full_block_hashes(seq)[:max_blocks]:
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        for i, h in enumerate(self.full_block_hashes(seq)[:max_blocks]):
             block_id = self.cached.get(h)
-            if block_id is None:
+            if block_id is None or self.block_tokens[block_id] != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits
@@ -89,6 +92,7 @@ class BlockManager:
             block_id, h = seq.block_table[i], hashes[i]
             if self.block_hash[block_id] is None and h not in self.cached:
                 self.block_hash[block_id] = h
+                self.block_tokens[block_id] = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 self.cached[h] = block_id
         seq.num_cached_blocks = num_full
 
@@ -118,13 +122,16 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return True
 
+    def _uncache(self, block_id: int) -> None:
+        del self.cached[self.block_hash[block_id]]
+        self.block_hash[block_id] = self.block_tokens[block_id] = None
+
     def _take_free(self) -> int:
         if self.free_ids:
             block_id = self.free_ids.popleft()
         else:
             block_id, _ = self.evictable.popitem(last=False)
-            del self.cached[self.block_hash[block_id]]
-            self.block_hash[block_id] = None
+            self._uncache(block_id)
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -169,7 +176,6 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block with ref count 0 (they become plain free blocks)."""
         for block_id in self.evictable:
-            del self.cached[self.block_hash[block_id]]
-            self.block_hash[block_id] = None
+            self._uncache(block_id)
             self.free_ids.append(block_id)
         self.evictable.clear()

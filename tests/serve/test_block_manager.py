@@ -158,3 +158,16 @@ def test_block_keys_are_sha256_of_the_parent_key_and_the_tokens():
     assert bm.full_block_hashes(seq) == [first, second]  # the partial third block has no key
     other = make_seq([5, 6, 7, 8, 9, 10, 11, 2**40])  # same first block, a different second
     assert bm.full_block_hashes(other)[0] == first and bm.full_block_hashes(other)[1] != second
+
+
+def test_a_key_collision_is_not_served_another_prompts_blocks(monkeypatch):
+    """Even if two different blocks got one key, the stored tokens are compared before a hit is served."""
+    from quantkit.serve import block_manager
+
+    monkeypatch.setattr(block_manager, "block_key", lambda parent, tokens: b"same key for every block")
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq([1, 2, 3, 4, 5])
+    assert bm.allocate(a, 5)
+    bm.cache_full_blocks(a, 5)
+    assert bm.lookup_prefix(make_seq([9, 9, 9, 9, 5])) == []  # colliding key, other tokens: a miss
+    assert bm.lookup_prefix(make_seq([1, 2, 3, 4, 6])) == [a.block_table[0]]  # the same tokens still hit
