@@ -14,10 +14,16 @@ def temp_dir_beside(target: Path, tag: str = "tmp") -> Path:
     plain mkdir would give (mkdtemp's are 0700, which would leave the finished checkpoint unreadable to others)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{tag}-", dir=target.parent))
+    set_plain_mode(tmp)
+    return tmp
+
+
+def set_plain_mode(path: Path) -> None:
+    """Give a file or folder the permissions a plain open() or mkdir would (0666 / 0777 less the umask): mkstemp,
+    mkdtemp and safetensors' writer create theirs 0600 / 0700, unreadable to the other users of a model."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    return tmp
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -29,6 +35,7 @@ def write_json(path: Path, data: Any) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
+        set_plain_mode(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

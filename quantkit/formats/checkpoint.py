@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from quantkit.config import LAYOUTS, QuantScheme
-from quantkit.atomic import temp_dir_beside
+from quantkit.atomic import set_plain_mode, temp_dir_beside
 from quantkit.errors import QuantkitError
 from quantkit.files import read_json, read_safetensors
 from quantkit.formats import awq, compressed_tensors, gptq
@@ -114,6 +114,7 @@ def save_checkpoint(out_dir, model: nn.Module, hf_config: dict, tokenizer, layou
                   "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}}
         _write_json(tmp / META_FILE, record)
         for f in tmp.iterdir():
+            set_plain_mode(f)
             _fsync(f)
         _fsync(tmp)
         _replace_dir(tmp, out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,10 @@ def test_folder_holds_config_tokenizer_generation_config_and_checksums(tmp_path,
     assert {"config.json", "model.safetensors", "generation_config.json", "quantkit.json", "tokenizer.json",
             "tokenizer_config.json"} <= files
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left behind
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [out, *out.iterdir()]}
+    assert modes == {name: (0o777 if name == "ck" else 0o666) & ~umask for name in modes}  # readable by others
 
     config = json.loads((out / "config.json").read_text())
     qcfg = config["quantization_config"]
