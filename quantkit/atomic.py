@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from quantkit.errors import QuantkitError
+
 
 def temp_dir_beside(target: Path, tag: str = "tmp") -> Path:
     """A fresh hidden folder on the same filesystem as `target` (so a rename is atomic), with the permissions a
@@ -16,6 +18,21 @@ def temp_dir_beside(target: Path, tag: str = "tmp") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{tag}-", dir=target.parent))
     set_plain_mode(tmp)
     return tmp
+
+
+def check_writable_folder(path: Path, what: str) -> None:
+    """Fail before any work is done when `path` cannot be written as a folder: it is a file, or its nearest
+    existing ancestor is not a folder this process may create entries in. `what` names it in the error."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise QuantkitError(f"{path}: {what} is a file, not a folder")
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise QuantkitError(f"{path}: {what} cannot be created: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise QuantkitError(f"{path}: {what} cannot be written: {ancestor} is not writable")
 
 
 def set_plain_mode(path: Path) -> None:

@@ -94,7 +94,7 @@ def read_text(path: str | Path) -> str:
     """The text of a data file for perplexity: a .txt file read whole, else its "text" rows joined with "\\n\\n"."""
     path = Path(path)
     if path.suffix == ".txt" and path.is_file():
-        text = path.read_text(encoding="utf-8")
+        text = "".join(line for _, line in _utf8_lines(path))
         if not text.strip():
             raise QuantkitError(f"{path}: empty file: no text")
         return text
@@ -104,22 +104,31 @@ def read_text(path: str | Path) -> str:
     return CONCAT_SEPARATOR.join(texts)
 
 
-def _jsonl_records(path: Path) -> Iterable[tuple[int, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+def _utf8_lines(path: Path) -> Iterable[tuple[int, str]]:
+    """(line number from 1, line with its newline) of a UTF-8 text file; invalid bytes name their line and column."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
             try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise QuantkitError(f"{path}:{line_no}: malformed JSON at column {e.colno}: {e.msg}") from None
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise QuantkitError(f"{path}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                    f"{e.start + 1}): save the file as UTF-8") from None
+
+
+def _jsonl_records(path: Path) -> Iterable[tuple[int, Any]]:
+    for line_no, line in _utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            yield line_no, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QuantkitError(f"{path}:{line_no}: malformed JSON at column {e.colno}: {e.msg}") from None
 
 
 def _txt_records(path: Path) -> Iterable[tuple[int, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                yield line_no, {"text": line.rstrip("\n")}
+    for line_no, line in _utf8_lines(path):
+        if line.strip():
+            yield line_no, {"text": line.rstrip("\n")}
 
 
 def _parquet_records(path: Path) -> Iterable[tuple[int, Any]]:

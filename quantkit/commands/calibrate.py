@@ -22,7 +22,7 @@ def check_group_size(scheme, hf_config: dict) -> None:
     """Fail before loading any weights when the group size does not divide a Linear's in_features."""
     heads = hf_config["num_attention_heads"]
     widths = {"self_attn.q_proj": hf_config["hidden_size"], "mlp.down_proj": hf_config["intermediate_size"],
-              "self_attn.o_proj": heads * hf_config.get("head_dim", hf_config["hidden_size"] // heads)}
+              "self_attn.o_proj": heads * (hf_config.get("head_dim") or hf_config["hidden_size"] // heads)}
     for layer, width in widths.items():
         scheme.groups(width, f"model.layers.N.{layer}")
 
@@ -60,6 +60,7 @@ def register(app: typer.Typer) -> None:
         import torch
         from rich.console import Console
 
+        from quantkit.atomic import check_writable_folder
         from quantkit.data import calibration_batches
         from quantkit.errors import QuantkitError
         from quantkit.formats.checkpoint import save_checkpoint
@@ -86,6 +87,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"AWQ GEMM is 4-bit only: writing the 8-bit AWQ weights as {cfg.layout}")
         out = out or Path(f"{Path(name.split(':')[-1]).name}-{cfg.method}-{cfg.scheme.name()}")
         work = work_dir or out.parent / f".{out.name}.work"
+        check_writable_folder(out, "--out")
+        check_writable_folder(work, "--work-dir")
 
         started = time.perf_counter()
         torch.manual_seed(cfg.seed)

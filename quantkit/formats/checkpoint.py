@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,9 @@ def save_checkpoint(out_dir, model: nn.Module, hf_config: dict, tokenizer, layou
             _fsync(f)
         _fsync(tmp)
         _replace_dir(tmp, out)
+    except OSError as e:  # a full disk, a quota, permissions changed under us: nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise QuantkitError(f"{out}: cannot write the checkpoint ({e.strerror or e}); nothing was written") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -175,14 +179,24 @@ def _float_tensors(model: nn.Module, qlinears: dict[str, QLinear], hf_config: di
     return out
 
 
-def _write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
-    """model.safetensors, or model-0000i-of-0000n.safetensors + index when the total exceeds max_shard_bytes."""
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, its I/O failures (a Rust error type) raised as the OSError they are."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        raise OSError(int(code[1]), os.strerror(int(code[1]))) if code else OSError(str(e)) from None
+
+
+def _write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when the total exceeds max_shard_bytes."""
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     total = sum(nbytes(t) for t in tensors.values())
     if total <= max_shard_bytes:
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        _save_file(tensors, folder / "model.safetensors")
         return
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -195,7 +209,7 @@ def _write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        _save_file(shard, folder / fname)
         weight_map.update({name: fname for name in shard})
     _write_json(folder / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 

@@ -161,6 +161,16 @@ def test_malformed_json_line(tmp_path):
     assert error_of(f).startswith(f"{f}:2: malformed JSON")
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
+def test_invalid_utf8_names_the_file_line_and_column(tmp_path, suffix):
+    f = tmp_path / f"latin1{suffix}"
+    f.write_bytes('{"text": "fine"}\n{"text": "caf'.encode() + b"\xe9" + b'"}\n')
+    assert error_of(f) == f"{f}:2: not UTF-8 text (byte 0xe9 at column 14): save the file as UTF-8"
+    if suffix == ".txt":
+        with pytest.raises(QuantkitError, match=r"latin1\.txt:2: not UTF-8"):
+            read_text(f)
+
+
 def test_line_that_is_not_an_object(tmp_path):
     f = write_jsonl(tmp_path / "bad.jsonl", [{"text": "ok"}, {"text": "ok"}, "[1, 2]"])
     assert error_of(f).startswith(f"{f}:3: expected a JSON object")
