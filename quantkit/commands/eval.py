@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
 
         from rich.console import Console
 
+        from quantkit.errors import QuantkitError
         from quantkit.evals.gate import parse_threshold
         from quantkit.evals.report import print_table, write
         from quantkit.evals.runner import EvalSpec, run
@@ -50,11 +51,13 @@ def register(app: typer.Typer) -> None:
         print_table(report, Console())
         paths = write(report, out_dir)
         console.print(f"wrote {paths['json']}, {paths['md']}, {paths['png']}")
-        for t in report.gate["unchecked"]:
-            console.print(f"gate: {t} matched no measured metric (not checked)")
+        for b in report.gate["breaches"]:
+            print(f"gate breached: {b['message']}", file=sys.stderr)
+        if report.gate["unchecked"]:  # a gate that checked nothing must not pass
+            measured = sorted({f"{m.task}/{m.metric}" for m in report.metrics})
+            raise QuantkitError(f"--max-delta {', '.join(report.gate['unchecked'])}: no task measured that metric "
+                                f"(measured: {', '.join(measured) or 'nothing'}); the report is in {paths['json']}")
         if report.gate["breaches"]:
-            for b in report.gate["breaches"]:
-                print(f"gate breached: {b['message']}", file=sys.stderr)
             raise typer.Exit(code=1)
 
 

@@ -151,6 +151,19 @@ def test_cli_gate_breach_exits_1_naming_the_metric(folders, tmp_path):
     assert np.isclose(kl["candidate"], kl["delta"]["value"])
 
 
+def test_cli_gate_on_a_metric_nothing_measured_exits_2(folders, tmp_path):
+    text = tmp_path / "notes.jsonl"
+    text.write_text(json.dumps({"text": "Plain text has a perplexity but no accuracy to gate on. " * 8}) + "\n")
+    out = tmp_path / "report"
+    res = subprocess.run([sys.executable, "-m", "quantkit.cli", "eval", str(folders["cand"]), "--baseline",
+                          str(folders["base"]), "--data", str(text), "--seq-len", "32", "--max-delta", "acc=-1.0",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --max-delta acc=-1: no task measured that metric (measured: notes/kl_mean, ")
+    assert "notes/ppl" in last and (out / "report.json").is_file()
+
+
 def test_cli_bad_rows_name_file_and_line(folders, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "answer": 1}) + "\n"
