@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.config import QuantScheme
-from quantkit.quant.qlinear import _KERNEL_MAX_M, QLinear, _run_cpu_kernel
+from quantkit.kernels.cpu import tinygemm
+from quantkit.quant.qlinear import _KERNEL_MAX_M, QLinear
 from quantkit.quant.scheme import quantize_rtn
 
 SHAPES = [(1536, 576), (576, 1536)]
@@ -50,8 +51,8 @@ def main() -> None:
         for scheme in SCHEMES:
             layer = QLinear.from_qtensor(quantize_rtn(w, scheme))
             held = sum(b.numel() * b.element_size() for b in layer.buffers())
-            layer(torch.randn(1, k).bfloat16())  # builds the packed-kernel tensors
-            kind, tensors = layer._kernel
+            prepared = layer.prepared("tinygemm")  # torch's packed-kernel tensors, or None
+            kind, tensors = prepared or ("none", None)
             own = {b.data_ptr() for b in layer.buffers()}
             kernel_bytes = 0 if tensors is None else sum(
                 t.numel() * t.element_size() for t in _flat_tensors(tensors) if t.data_ptr() not in own)
@@ -62,7 +63,8 @@ def main() -> None:
                 x = torch.randn(m, k)
                 xb = x.bfloat16()
                 wb = w.bfloat16()
-                forced = best_us(lambda: _run_cpu_kernel(layer._kernel, xb), args.repeats) if tensors is not None else float("nan")
+                forced = best_us(lambda: tinygemm.matmul(xb, prepared), args.repeats) if tensors is not None \
+                    else float("nan")
                 print(f"{m:>5} {best_us(lambda: F.linear(x, w), args.repeats):>11.0f} "
                       f"{best_us(lambda: layer(x), args.repeats):>13.0f} "
                       f"{best_us(lambda: F.linear(xb, wb), args.repeats):>11.0f} "

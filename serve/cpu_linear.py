@@ -90,11 +90,11 @@ class FusedLinear(nn.Module):
             return cls(parts, weight, 16, None, mlp)
         if not all(isinstance(p, QLinear) for p in parts):
             return None
-        kernels = [p._amx_kernel() for p in parts]
+        kernels = [p.prepared("amx") for p in parts]  # (perm, (codes, qparams, gs)) or None
         if any(k is None for k in kernels):
             return None
-        perms = [k[1][0] for k in kernels]
-        packs = [k[1][1] for k in kernels]  # (codes, qparams, gs)
+        perms = [k[0] for k in kernels]
+        packs = [k[1] for k in kernels]
         same_perm = all(q is None for q in perms) or all(q is not None and torch.equal(q, perms[0]) for q in perms)
         same_pack = len({(p.bits, pk[2], pk[1].shape[1]) for p, pk in zip(parts, packs)}) == 1
         if not (same_perm and same_pack):
@@ -104,7 +104,7 @@ class FusedLinear(nn.Module):
         blocks = [pk[0].shape[0] for pk in packs]
         gs = packs[0][2]
         for p, perm, c, q in zip(parts, perms, _split(codes, blocks, interleave), _split(qparams, blocks, interleave)):
-            p._amx = ("amx", (perm, (c, q, gs)))
+            p._prepared["amx"] = (perm, (c, q, gs))
         return cls(parts, (codes, qparams, gs), parts[0].bits, perms[0], mlp)
 
     def forward(self, x: torch.Tensor):

@@ -20,7 +20,7 @@ from torch import nn
 
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
-from quantkit.models.llama import MLP, Attention
+from quantkit.models.llama import MLP, Attention, TorchOps
 from quantkit.serve.cpu_linear import FusedLinear, can_pack, pack_linears
 
 log = logging.getLogger("quantkit.serve")
@@ -51,7 +51,7 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
     they are the C kernels (the attention backend's KV store uses them too), else None."""
     if can_pack(dtype, device):
         log.info("prepacked %d Linear weights (bf16)", pack_linears(model, batch_hint))
-    ops = CpuFusedOps.load() if device.type == "cpu" and fused_ops else None
+    ops = CpuFusedOps.load(TorchOps) if device.type == "cpu" and fused_ops else None
     if ops is not None:
         model.set_ops(ops)
     if device.type == "cpu" and dtype == torch.bfloat16 and cpu_gemm.available():

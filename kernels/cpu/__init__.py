@@ -1,5 +1,8 @@
-"""quantkit.kernels.cpu: the C kernels of CPU serving, each a real .c file beside its Python launcher.
+"""quantkit.kernels.cpu: the kernels of CPU serving, each a real .c file beside its Python launcher (asserting what
+the C code assumes, with a `*_ref` in plain torch): gemm (AMX bf16 and W4/W8 GEMMs), paged_decode, paged_prefill,
+fused (per-token ops); plus tinygemm.py, torch's own packed int4/int8 kernels (no C of ours).
 
-build.py compiles a kernel's sources once per machine (cached by source, flags, CPU and torch) and loads them with
-ctypes; a machine without a compiler, AVX-512 or AMX gets None from the loader and the torch path.
+build.py compiles a kernel's sources once per machine (cached by source, headers, flags, CPU and torch) and loads
+them with ctypes; a machine without a compiler, AVX-512 or AMX gets None from the loader and the torch path.
+Each backend's `prepare(qtensor)` (gemm.py, tinygemm.py) is the one place that knows its packed weight layout.
 """

@@ -1,4 +1,5 @@
-"""Fused CPU kernels for the per-token work between the matmuls (C, OpenMP over rows, fp32 math):
+"""Fused CPU kernels for the per-token work between the matmuls (fused.c, built once by build.py; OpenMP over
+rows, fp32 math):
 
   add_rms_norm   sum = residual + x (rounded to the dtype), out = weight * rms_norm(sum): one pass instead of
                  the eight ops of the torch path
@@ -6,10 +7,11 @@
   silu_mul       out = silu(gate) * up
   kv_store       copy each token's K and V rows into the paged cache at its slot (replaces index_copy_)
 
-Rounding follows the model's torch path (quantkit/models/llama.py): the normalised value is rounded to the
-dtype before the weight multiplies it, as in Hugging Face's LlamaRMSNorm; products are otherwise rounded once
-(the torch path rounds after every op), so bf16 results differ from it by at most a rounding step.
-CpuFusedOps is the model's `ops` (see TorchOps in llama.py for the contract) when the library builds.
+Rounding follows the model's torch ops: the normalised value is rounded to the dtype before the weight multiplies
+it, as in Hugging Face's LlamaRMSNorm; products are otherwise rounded once (a torch path that rounds after every op
+differs by at most a rounding step in bf16). The `*_ref` functions are the kernels' math in plain torch.
+CpuFusedOps is a model's `ops` (rms_norm, rope, silu_mul) when the library builds; it is given the ops to fall
+back on (the model's torch ops) for inputs the kernels do not cover, so this file knows nothing of the model.
 """
 
 from __future__ import annotations
@@ -17,124 +19,9 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 
-from quantkit.models.llama import TorchOps
-from quantkit.kernels.cpu.build import C_DTYPES, C_SILU, DTYPE_CODES, load_library
-
-C_SOURCE = C_DTYPES + C_SILU + r"""
-#include <math.h>
-
-/* Each kernel is written once as a macro over the element type and its load/store, then instantiated for the
-   three dtypes, so every inner loop is branch-free and vectorises. */
-#define LD_F32(p, i) ((p)[i])
-#define ST_F32(p, i, v) ((p)[i] = (v))
-#define RND_F32(v) (v)
-#define LD_BF16(p, i) bf16_to_f32((p)[i])
-#define ST_BF16(p, i, v) ((p)[i] = f32_to_bf16(v))
-#define RND_BF16(v) bf16_to_f32(f32_to_bf16(v))
-#define LD_F16(p, i) ((float)(p)[i])
-#define ST_F16(p, i, v) ((p)[i] = (_Float16)(v))
-#define RND_F16(v) ((float)(_Float16)(v))
-
-/* x [T, H] (row stride xs), residual [T, H] contiguous or NULL, weight [H] -> out, sum [T, H] contiguous */
-#define ADD_RMS_NORM(SUF, T, LD, ST, RND)                                                                          \
-static void add_rms_norm_##SUF(const T* x, int64_t xs, const T* res, T* sum, const T* w, T* out, int n, int h, \
-                               float eps, int threads) {                                                       \
-  _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
-  for (int t = 0; t < n; t++) {                                                                                \
-    const T* xr = x + (int64_t)t * xs;                                                                         \
-    T* o = out + (int64_t)t * h;                                                                               \
-    float ss = 0.f;                                                                                            \
-    if (res) {                                                                                                 \
-      const T* r = res + (int64_t)t * h;                                                                       \
-      T* sr = sum + (int64_t)t * h;                                                                            \
-      _Pragma("omp simd reduction(+:ss)")                                                                      \
-      for (int i = 0; i < h; i++) { const float v = RND(LD(r, i) + LD(xr, i)); ST(sr, i, v);     \
-                                    ss += v * v; }                                                             \
-      xr = sr;                                                                                                 \
-    } else {                                                                                                   \
-      _Pragma("omp simd reduction(+:ss)")                                                                      \
-      for (int i = 0; i < h; i++) { const float v = LD(xr, i); ss += v * v; }                                   \
-    }                                                                                                          \
-    const float inv = 1.f / sqrtf(ss / h + eps);                                                               \
-    _Pragma("omp simd")                                                                                        \
-    for (int i = 0; i < h; i++) ST(o, i, LD(w, i) * RND(LD(xr, i) * inv));                        \
-  }                                                                                                            \
-}
-
-/* q [T, Hq, D] (token stride qs), k [T, Hk, D] (token stride ks), heads contiguous; table [P, D] fp32 */
-#define ROPE(SUF, T, LD, ST)                                                                                  \
-static void rope_##SUF(T* q, int64_t qs, int hq, T* k, int64_t ks, int hk, const int64_t* pos,                \
-                       const float* table, int n, int d, int threads) {                                       \
-  const int half = d / 2;                                                                                      \
-  _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
-  for (int t = 0; t < n; t++) {                                                                                \
-    const float* c = table + pos[t] * d;                                                                       \
-    const float* s = c + half;                                                                                 \
-    for (int hh = 0; hh < hq + hk; hh++) {                                                                     \
-      T* x = hh < hq ? q + (int64_t)t * qs + (int64_t)hh * d : k + (int64_t)t * ks + (int64_t)(hh - hq) * d;  \
-      _Pragma("omp simd")                                                                                      \
-      for (int i = 0; i < half; i++) {                                                                         \
-        const float a = LD(x, i), b = LD(x, i + half);                                                         \
-        ST(x, i, a * c[i] - b * s[i]);                                                                         \
-        ST(x, i + half, b * c[i] + a * s[i]);                                                                  \
-      }                                                                                                        \
-    }                                                                                                          \
-  }                                                                                                            \
-}
-
-/* gate, up [T, I] (row strides gs, us) -> out [T, I] contiguous */
-#define SILU_MUL(SUF, T, LD, ST)                                                                              \
-static void silu_mul_##SUF(const T* g, int64_t gs, const T* u, int64_t us, T* out, int n, int m, int threads) { \
-  _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
-  for (int t = 0; t < n; t++) {                                                                                \
-    const T* gr = g + (int64_t)t * gs; const T* ur = u + (int64_t)t * us; T* o = out + (int64_t)t * m;        \
-    _Pragma("omp simd")                                                                                        \
-    for (int i = 0; i < m; i++) ST(o, i, silu_times(LD(gr, i), LD(ur, i)));                                  \
-  }                                                                                                            \
-}
-
-ADD_RMS_NORM(f32, float, LD_F32, ST_F32, RND_F32)
-ADD_RMS_NORM(bf16, uint16_t, LD_BF16, ST_BF16, RND_BF16)
-ADD_RMS_NORM(f16, _Float16, LD_F16, ST_F16, RND_F16)
-ROPE(f32, float, LD_F32, ST_F32)
-ROPE(bf16, uint16_t, LD_BF16, ST_BF16)
-ROPE(f16, _Float16, LD_F16, ST_F16)
-SILU_MUL(f32, float, LD_F32, ST_F32)
-SILU_MUL(bf16, uint16_t, LD_BF16, ST_BF16)
-SILU_MUL(f16, _Float16, LD_F16, ST_F16)
-
-void add_rms_norm(const void* x, int64_t xs, const void* res, void* sum, const void* w, void* out, int n, int h,
-                  float eps, int dtype, int threads) {
-  if (dtype == F32) add_rms_norm_f32(x, xs, res, sum, w, out, n, h, eps, threads);
-  else if (dtype == BF16) add_rms_norm_bf16(x, xs, res, sum, w, out, n, h, eps, threads);
-  else add_rms_norm_f16(x, xs, res, sum, w, out, n, h, eps, threads);
-}
-
-void rope(void* q, int64_t qs, int hq, void* k, int64_t ks, int hk, const int64_t* pos, const float* table,
-          int n, int d, int dtype, int threads) {
-  if (dtype == F32) rope_f32(q, qs, hq, k, ks, hk, pos, table, n, d, threads);
-  else if (dtype == BF16) rope_bf16(q, qs, hq, k, ks, hk, pos, table, n, d, threads);
-  else rope_f16(q, qs, hq, k, ks, hk, pos, table, n, d, threads);
-}
-
-void silu_mul(const void* g, int64_t gs, const void* u, int64_t us, void* out, int n, int m, int dtype,
-              int threads) {
-  if (dtype == F32) silu_mul_f32(g, gs, u, us, out, n, m, threads);
-  else if (dtype == BF16) silu_mul_bf16(g, gs, u, us, out, n, m, threads);
-  else silu_mul_f16(g, gs, u, us, out, n, m, threads);
-}
-
-/* k, v [T, row_bytes] (token strides ks, vs bytes) -> caches viewed as [slots, row_bytes] */
-void kv_store(const char* k, int64_t ks, const char* v, int64_t vs, char* kc, char* vc, const int64_t* slots,
-              int n, int64_t row_bytes, int threads) {
-  #pragma omp parallel for num_threads(threads) schedule(static) if (n > 64)
-  for (int t = 0; t < n; t++) {
-    memcpy(kc + slots[t] * row_bytes, k + t * ks, row_bytes);
-    memcpy(vc + slots[t] * row_bytes, v + t * vs, row_bytes);
-  }
-}
-"""
+from quantkit.kernels.cpu.build import DTYPE_CODES, load_library
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -143,13 +30,16 @@ SIGNATURES = {
     "silu_mul": [_P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT],
     "kv_store": [_P, _I64, _P, _I64, _P, _P, _P, _INT, _I64, _INT],
 }
+_MIN_ROPE_TABLE = 256  # rows of the first RoPE table; it grows by doubling
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
-    """t [T, ...]: (T, token stride in elements); the trailing dims must be contiguous (checked once per call: on
+    """t [T, ...] -> (T, token stride in elements); the trailing dims must be contiguous (checked once per call: on
     the decode path these checks cost as much as the kernels, so the contiguous case goes first)."""
-    if not t.is_contiguous():
-        assert t.stride(-1) == 1 and all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(1, t.dim() - 1))
+    if not t.is_contiguous() and (t.stride(-1) != 1 or any(t.stride(i) != t.stride(i + 1) * t.shape[i + 1]
+                                                           for i in range(1, t.dim() - 1))):
+        raise ValueError(f"the kernels take rows at any stride, each row contiguous; got {tuple(t.shape)} strides "
+                         f"{t.stride()}")
     return t.shape[0], t.stride(0)
 
 
@@ -164,29 +54,59 @@ def _ours(*tensors: torch.Tensor) -> bool:
     return True
 
 
-class CpuFusedOps:
-    """The model's per-token ops as fused C kernels (the TorchOps contract of quantkit/models/llama.py). Inputs the
-    kernels do not cover (another device or dtype, mixed dtypes, the dense [B, L, H, D] layout) take TorchOps."""
+# add_rms_norm_ref - x [..., H], residual [..., H] or None, weight [H] -> (out, sum) [..., H], x's dtype
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    total = x if residual is None else (residual.float() + x.float()).to(x.dtype)
+    t = total.float()
+    normed = (t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) / t.shape[-1] + eps)).to(x.dtype)
+    return (weight.float() * normed.float()).to(x.dtype), total
 
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
+
+# rope_ref - x [T, H, D], positions int [T], table fp32 [P, D] (cos | sin) -> [T, H, D], x's dtype
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    cos, sin = table[positions.long()][:, None].chunk(2, dim=-1)  # [T, 1, D/2] each
+    a, b = x.float().chunk(2, dim=-1)
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
+
+
+# silu_mul_ref - gate, up [..., I] -> [..., I], gate's dtype
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+# kv_store_ref - k, v [T, Hkv, D] -> k_cache, v_cache [NB, BS, Hkv, D] at slots int64 [T] (in place)
+def kv_store_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+class CpuFusedOps:
+    """A model's per-token ops (rms_norm, rope, silu_mul) as fused C kernels, plus kv_store for the attention
+    backend. Inputs the kernels do not cover (another device or dtype, mixed dtypes, the dense [B, L, H, D] layout)
+    take `fallback`, an object with the same three ops (the model's torch ops)."""
+
+    def __init__(self, lib: ctypes.CDLL, fallback):
+        self.lib, self.fallback = lib, fallback
+        self._rope = (None, None, torch.empty(0, 0))  # (positions, inv_freq, table) of the latest rope_table call
 
     @classmethod
-    def load(cls) -> "CpuFusedOps | None":
-        lib = load_library("fused_ops", C_SOURCE, SIGNATURES)
-        return None if lib is None else cls(lib)
+    def load(cls, fallback) -> "CpuFusedOps | None":
+        lib = load_library("fused", SIGNATURES)
+        return None if lib is None else cls(lib, fallback)
 
-    # stateless: a copied or unpickled model shares the loaded kernels
+    # a copied or unpickled model shares the loaded kernels; the RoPE table is a cache checked on every forward
     def __deepcopy__(self, memo) -> "CpuFusedOps":
         return self
 
     def __reduce__(self):
-        return CpuFusedOps.load, ()
+        return CpuFusedOps.load, (self.fallback,)
 
+    # rms_norm - x [..., H] (rows at any stride), residual [..., H] or None, weight [H] -> (out, sum) [..., H]
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-        """x [..., H] -> (weight * norm(x + residual), x + residual) (x alone when residual is None)."""
+        """-> (weight * norm(x + residual), x + residual) (x alone when residual is None)."""
         if not _ours(x, weight) or (residual is not None and residual.dtype != x.dtype):
-            return TorchOps.rms_norm(x, residual, weight, eps)
+            return self.fallback.rms_norm(x, residual, weight, eps)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n, xs = _rows(x2)
@@ -194,30 +114,55 @@ class CpuFusedOps:
         total = x
         if residual is not None:
             residual = residual.contiguous()
-            assert residual.shape == shape
+            if residual.shape != shape:
+                raise ValueError(f"rms_norm: residual {tuple(residual.shape)} is not x's {tuple(shape)}")
             total = torch.empty(shape, dtype=x.dtype)
+        if weight.shape != (shape[-1],) or not weight.is_contiguous():
+            raise ValueError(f"rms_norm: weight must be contiguous [{shape[-1]}], got {tuple(weight.shape)}")
         self.lib.add_rms_norm(x2.data_ptr(), xs, None if residual is None else residual.data_ptr(),
                               None if residual is None else total.data_ptr(), weight.data_ptr(), out.data_ptr(),
                               n, shape[-1], eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
         return out.view(shape), total
 
+    # rope_table - positions int [T], inv_freq fp32 [D/2] -> fp32 [P, D], P > max(positions)
+    def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Row p = cos(p * inv_freq) | sin(p * inv_freq), the fp32 angles of the model's rotary embedding. Every
+        layer of one forward passes the same positions tensor: checked once per forward (the cache holds that
+        tensor, so its identity cannot be recycled for another), grown by doubling, rebuilt for another inv_freq."""
+        last_positions, last_inv_freq, table = self._rope
+        if last_positions is positions and last_inv_freq is inv_freq:
+            return table
+        need, rows = int(positions.max()) + 1 if positions.numel() else 0, table.shape[0]
+        if rows < need or last_inv_freq is not inv_freq:
+            size = rows if rows >= need else max(need, 2 * rows, _MIN_ROPE_TABLE)
+            freqs = torch.arange(size, device=inv_freq.device).to(torch.float32)[:, None] * inv_freq  # [P, D/2]
+            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+        self._rope = (positions, inv_freq, table)
+        return table
+
+    # rope - q [T, Hq, D], k [T, Hkv, D] (tokens at any stride, heads contiguous), positions int [T] -> (q, k)
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary):
-        """q [T, Hq, D], k [T, Hkv, D] rotated in place at positions [T]."""
+        """q and k rotated in place at positions (rotary: the model's rotary embedding, for its inv_freq)."""
         if q.dim() != 3 or positions.dim() != 1 or not _ours(q, k):
-            return TorchOps.rope(q, k, positions, rotary)
-        table = rotary.table(positions)  # [P, D] fp32: cos | sin
+            return self.fallback.rope(q, k, positions, rotary)
+        table = self.rope_table(positions, rotary.inv_freq)
         positions = positions.to(torch.int64).contiguous()
         n, qs = _rows(q)
-        _, ks = _rows(k)
+        nk, ks = _rows(k)
+        if nk != n or positions.shape[0] != n or k.shape[2] != q.shape[2] or table.shape[1] != q.shape[2]:
+            raise ValueError(f"rope: q [T, Hq, D], k [T, Hkv, D], positions [T], table [P, D]; got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, positions {tuple(positions.shape)}, table {tuple(table.shape)}")
         self.lib.rope(q.data_ptr(), qs, q.shape[1], k.data_ptr(), ks, k.shape[1], positions.data_ptr(),
                       table.data_ptr(), n, q.shape[-1], DTYPE_CODES[q.dtype], torch.get_num_threads())
         return q, k
 
+    # silu_mul - gate, up [..., I] (rows at any stride) -> [..., I] contiguous, gate's dtype
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """gate, up [..., I] (rows may be strided) -> silu(gate) * up [..., I]."""
         if not _ours(gate, up):
-            return TorchOps.silu_mul(gate, up)
+            return self.fallback.silu_mul(gate, up)
         shape = gate.shape
+        if up.shape != shape:
+            raise ValueError(f"silu_mul: gate {tuple(shape)} and up {tuple(up.shape)} differ")
         g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
         n, gs = _rows(g2)
         _, us = _rows(u2)
@@ -226,12 +171,20 @@ class CpuFusedOps:
                           DTYPE_CODES[gate.dtype], torch.get_num_threads())
         return out.view(shape)
 
+    # kv_store - k, v [T, Hkv, D] (tokens at any stride) -> k_cache, v_cache [NB, BS, Hkv, D] contiguous at flat
+    #            slots int64 [T] (in place)
     def kv_store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
-        """k, v [T, Hkv, D] -> k_cache/v_cache [blocks, block_size, Hkv, D] at flat slots [T] (int64)."""
         n, ks = _rows(k)
         _, vs = _rows(v)
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
+        shape, cache, dtype = k.shape, k_cache.shape, k.dtype
+        if len(shape) != 3 or len(cache) != 4 or v.shape != shape or v_cache.shape != cache or cache[2] != shape[1] \
+                or cache[3] != shape[2] or slots.shape != (n,) or slots.dtype is not torch.int64 \
+                or v.dtype is not dtype or k_cache.dtype is not dtype or v_cache.dtype is not dtype \
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()):
+            raise ValueError(f"kv_store: k, v [T, Hkv, D] into contiguous caches [NB, BS, Hkv, D] of their dtype at "
+                             f"int64 slots [T]; got k {tuple(shape)} {dtype}, v {tuple(v.shape)}, caches "
+                             f"{tuple(cache)} {k_cache.dtype}, slots {tuple(slots.shape)} {slots.dtype}")
         row = k.shape[1] * k.shape[2] * k.element_size()
         self.lib.kv_store(k.data_ptr(), ks * k.element_size(), v.data_ptr(), vs * v.element_size(),
                           k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), n, row,

@@ -1,9 +1,11 @@
-"""Paged decode attention on CPU in C (compiled once with the system C compiler, cached, loaded with ctypes).
+"""Paged decode attention on CPU (paged_decode.c, built once by build.py, loaded with ctypes).
 
 One query token per sequence reads its K/V straight from the paged cache through the block table: no gather
 copy, no padding. Work item = (sequence, kv head): the G query heads sharing that kv head stream the context in
 tiles of 16 tokens with an online softmax in fp32; items are spread over torch's OpenMP threads (the .so links the
-same libgomp torch loaded). Falls back to None (the torch path) when no compiler works.
+same libgomp torch loaded). `load_decode_kernel` is None when no compiler works (and the torch path runs).
+Precondition the launcher does not check (it would read the tables): seq_lens[s] <= MB * block_size and every
+table entry a block of the cache.
 """
 
 from __future__ import annotations
@@ -12,254 +14,60 @@ import ctypes
 
 import torch
 
-from quantkit.kernels.cpu.build import C_DTYPES, C_EXP16, DTYPE_CODES, load_library
+from quantkit.kernels.cpu.build import DTYPE_CODES, load_library
+from quantkit.kernels.cpu.paged_prefill import paged_prefill_ref
 
-MAX_HEAD_DIM, MAX_GROUP = 256, 16
-
-C_SOURCE = C_DTYPES + C_EXP16 + r"""
-#include <math.h>
-
-#define TILE 16
-#define MAXD 256
-#define MAXG 16
-
-static void load_row(const void* base, int64_t off, int d, int dtype, float* dst) {
-  if (dtype == F32) { memcpy(dst, (const float*)base + off, (size_t)d * 4); return; }
-  if (dtype == BF16) { const uint16_t* s = (const uint16_t*)base + off; for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(s[i]); return; }
-  const _Float16* s = (const _Float16*)base + off; for (int i = 0; i < d; i++) dst[i] = (float)s[i];
-}
-
-static void store_row(void* base, int64_t off, int d, int dtype, const float* src) {
-  if (dtype == F32) { memcpy((float*)base + off, src, (size_t)d * 4); return; }
-  if (dtype == BF16) { uint16_t* o = (uint16_t*)base + off; for (int i = 0; i < d; i++) o[i] = f32_to_bf16(src[i]); return; }
-  _Float16* o = (_Float16*)base + off; for (int i = 0; i < d; i++) o[i] = (_Float16)src[i];
-}
-
-/* One work item = (sequence s, kv head h): the G query heads of h over tokens [0, len) of s, in tiles of 16.
-   Token t of s lives at row ((table[t / BS] * BS + t % BS) * Hkv + h) * D of a cache. */
-#define ITEM_PROLOGUE                                                                               \
-  float qf[MAXG][MAXD] __attribute__((aligned(64))), acc[MAXG][MAXD] __attribute__((aligned(64)));  \
-  float kt[TILE][MAXD] __attribute__((aligned(64))), vt[TILE][MAXD] __attribute__((aligned(64)));   \
-  float m[MAXG], l[MAXG];                                                                           \
-  for (int g = 0; g < G; g++) {                                                                     \
-    load_row(q, ((int64_t)s * Hq + h * G + g) * D, D, dtype, qf[g]);                                \
-    for (int d = 0; d < D; d++) { qf[g][d] *= scale; acc[g][d] = 0.f; }                             \
-    m[g] = -INFINITY; l[g] = 0.f;                                                                   \
-  }
-
-#define LOAD_TILE                                                                                   \
-  const int n = len - t0 < TILE ? len - t0 : TILE;                                                 \
-  for (int j = 0; j < n; j++) {                                                                     \
-    const int t = t0 + j;                                                                           \
-    const int64_t row = (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;                      \
-    load_row(kc, row, D, dtype, kt[j]);                                                             \
-    load_row(vc, row, D, dtype, vt[j]);                                                             \
-  }
-
-#define ITEM_EPILOGUE                                                                               \
-  for (int g = 0; g < G; g++) {                                                                     \
-    const float inv = 1.f / l[g];                                                                   \
-    for (int d = 0; d < D; d++) acc[g][d] *= inv;                                                   \
-    store_row(out, ((int64_t)s * Hq + h * G + g) * D, D, dtype, acc[g]);                            \
-  }
-
-static void item_generic(const void* q, const void* kc, const void* vc, const int32_t* table, int len, void* out,
-                         int s, int h, int G, int Hq, int Hkv, int D, int BS, float scale, int dtype) {
-  ITEM_PROLOGUE
-  float p[TILE];
-  for (int t0 = 0; t0 < len; t0 += TILE) {
-    LOAD_TILE
-    for (int g = 0; g < G; g++) {
-      float mx = m[g];
-      for (int j = 0; j < n; j++) {
-        float sc = 0.f;
-        #pragma omp simd reduction(+:sc)
-        for (int d = 0; d < D; d++) sc += qf[g][d] * kt[j][d];
-        p[j] = sc;
-        mx = sc > mx ? sc : mx;
-      }
-      const float corr = expf(m[g] - mx);  /* 0 on the first tile (m = -inf) */
-      float sum = 0.f;
-      for (int j = 0; j < n; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
-      l[g] = l[g] * corr + sum;
-      m[g] = mx;
-      for (int d = 0; d < D; d++) acc[g][d] *= corr;
-      for (int j = 0; j < n; j++) {
-        const float w = p[j];
-        #pragma omp simd
-        for (int d = 0; d < D; d++) acc[g][d] += w * vt[j][d];
-      }
-    }
-  }
-  ITEM_EPILOGUE
-}
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* One tile of the online softmax for one query head: x [16] scores (dead lanes -inf), n live tokens whose fp32 V
-   rows are vt; updates the running max m, normaliser l and accumulator acc [D]. NV = D / 16. */
-static inline __attribute__((always_inline)) void softmax_pv(
-    __m512 x, __mmask16 live, int n, float* m, float* l, float* acc, float vt[][MAXD], const int NV) {
-  float sc[TILE] __attribute__((aligned(64)));
-  __m512 av[MAXD / 16];
-  const float tile_max = _mm512_reduce_max_ps(x);
-  const float mx = tile_max > *m ? tile_max : *m;
-  const float corr = expf(*m - mx);  /* 0 on the first tile (m = -inf) */
-  const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
-  *l = *l * corr + _mm512_reduce_add_ps(p);
-  *m = mx;
-  _mm512_store_ps(sc, p);
-  const __m512 c = _mm512_set1_ps(corr);
-  for (int v = 0; v < NV; v++) av[v] = _mm512_mul_ps(_mm512_load_ps(acc + 16 * v), c);
-  for (int j = 0; j < n; j++) {
-    const __m512 w = _mm512_set1_ps(sc[j]);
-    for (int v = 0; v < NV; v++) av[v] = _mm512_fmadd_ps(w, _mm512_load_ps(vt[j] + 16 * v), av[v]);
-  }
-  for (int v = 0; v < NV; v++) _mm512_store_ps(acc + 16 * v, av[v]);
-}
-
-/* NV = D / 16 is a compile-time constant at each call: q, scores and the accumulator stay in registers */
-static inline __attribute__((always_inline)) void item_avx512(
-    const void* q, const void* kc, const void* vc, const int32_t* table, int len, void* out,
-    int s, int h, int G, int Hq, int Hkv, int BS, float scale, int dtype, const int NV) {
-  const int D = NV * 16;
-  ITEM_PROLOGUE
-  float sc[TILE] __attribute__((aligned(64)));
-  for (int t0 = 0; t0 < len; t0 += TILE) {
-    LOAD_TILE
-    const __mmask16 live = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-    for (int g = 0; g < G; g++) {
-      __m512 qv[MAXD / 16];
-      for (int v = 0; v < NV; v++) qv[v] = _mm512_load_ps(qf[g] + 16 * v);
-      for (int j = 0; j < n; j++) {
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(kt[j]));
-        for (int v = 1; v < NV; v++) a = _mm512_fmadd_ps(qv[v], _mm512_load_ps(kt[j] + 16 * v), a);
-        sc[j] = _mm512_reduce_add_ps(a);
-      }
-      softmax_pv(_mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), live, sc), live, n, &m[g], &l[g], acc[g], vt, NV);
-    }
-  }
-  ITEM_EPILOGUE
-}
-
-#if defined(__AVX512BF16__)
-/* lane j of the result = the sum of v[j]'s 16 lanes: a 4-level fold tree (45 shuffles/adds for 16 sums, instead
-   of 16 horizontal reductions) and one permute back to token order */
-static inline __m512 sum16(const __m512* v) {
-  __m512 t[8], w[4], y[2];
-  for (int i = 0; i < 8; i++)  /* [v2i folded to 8 | v2i+1 folded to 8] */
-    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; i++)  /* quarters: v4i, v4i+1, v4i+2, v4i+3, 4 partials each */
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; i++) {  /* quarter q: [v(8i+q) x2 | v(8i+4+q) x2]; pd unpacks move float pairs */
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  /* lane 4q + i holds the sum of v(q + 4i) */
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
-}
-
-/* bf16 caches: q . k with the bf16 dot-product instruction straight from the cache rows (no fp32 copy of K),
-   16 scores per tile summed by sum16; V and the softmax as item_avx512. NV = D / 16. */
-static inline __attribute__((always_inline)) void item_bf16(
-    const uint16_t* q, const uint16_t* kc, const void* vc, const int32_t* table, int len, void* out,
-    int s, int h, int G, int Hq, int Hkv, int BS, float scale, const int NV) {
-  const int D = NV * 16, NB = NV / 2;  /* NB zmm of 32 bf16 per row */
-  float acc[MAXG][MAXD] __attribute__((aligned(64))), vt[TILE][MAXD] __attribute__((aligned(64)));
-  float m[MAXG], l[MAXG];
-  __m512bh qb[MAXG][MAXD / 32];
-  for (int g = 0; g < G; g++) {
-    for (int b = 0; b < NB; b++)
-      qb[g][b] = (__m512bh)_mm512_loadu_si512(q + ((int64_t)s * Hq + h * G + g) * D + 32 * b);
-    for (int d = 0; d < D; d++) acc[g][d] = 0.f;
-    m[g] = -INFINITY; l[g] = 0.f;
-  }
-  __m512 part[MAXG][TILE];
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int t0 = 0; t0 < len; t0 += TILE) {
-    const int n = len - t0 < TILE ? len - t0 : TILE;
-    /* the next tile usually sits in another block: ask for its rows now, while this tile computes */
-    for (int t = t0 + TILE; t < t0 + 2 * TILE && t < len; t++) {
-      const int64_t row = (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;
-      for (int off = 0; off < D; off += 32) {
-        _mm_prefetch((const char*)(kc + row + off), _MM_HINT_T0);
-        _mm_prefetch((const char*)((const uint16_t*)vc + row + off), _MM_HINT_T0);
-      }
-    }
-    for (int j = 0; j < TILE; j++) {
-      if (j >= n) { for (int g = 0; g < G; g++) part[g][j] = _mm512_setzero_ps(); continue; }
-      const int t = t0 + j;
-      const int64_t row = (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;
-      __m512bh kb[MAXD / 32];
-      for (int b = 0; b < NB; b++) kb[b] = (__m512bh)_mm512_loadu_si512(kc + row + 32 * b);
-      for (int g = 0; g < G; g++) {
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
-        for (int b = 1; b < NB; b++) a = _mm512_dpbf16_ps(a, qb[g][b], kb[b]);
-        part[g][j] = a;
-      }
-      load_row(vc, row, D, BF16, vt[j]);
-    }
-    const __mmask16 live = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-    for (int g = 0; g < G; g++) {
-      const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(sum16(part[g]), vscale));
-      softmax_pv(x, live, n, &m[g], &l[g], acc[g], vt, NV);
-    }
-  }
-  const int dtype = BF16;
-  ITEM_EPILOGUE
-}
-#endif
-#endif
-
-/* q [S, Hq, D]; k/v cache [NB, BS, Hkv, D]; block_tables int32 [S, MB]; seq_lens int32 [S]; out [S, Hq, D] */
-void paged_decode(const void* q, const void* kc, const void* vc, const int32_t* block_tables,
-                  const int32_t* seq_lens, void* out, int S, int Hq, int Hkv, int D, int BS, int MB,
-                  float scale, int dtype, int threads) {
-  const int G = Hq / Hkv;
-  /* a thread takes all kv heads of a sequence in a row: the heads' rows interleave in each block, so the second
-     and third heads read lines the first pulled into L2 (1.6x faster than heads spread over threads) */
-  const int chunk = S >= 2 * threads ? Hkv : 1;
-  #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
-  for (int item = 0; item < S * Hkv; item++) {
-    const int s = item / Hkv, h = item % Hkv;
-    const int32_t* table = block_tables + (int64_t)s * MB;
-#if defined(__AVX512BF16__)
-    if (dtype == BF16 && D == 64) { item_bf16(q, kc, vc, table, seq_lens[s], out, s, h, G, Hq, Hkv, BS, scale, 4); continue; }
-    if (dtype == BF16 && D == 128) { item_bf16(q, kc, vc, table, seq_lens[s], out, s, h, G, Hq, Hkv, BS, scale, 8); continue; }
-#endif
-#if defined(__AVX512F__)
-    if (D == 64) { item_avx512(q, kc, vc, table, seq_lens[s], out, s, h, G, Hq, Hkv, BS, scale, dtype, 4); continue; }
-    if (D == 128) { item_avx512(q, kc, vc, table, seq_lens[s], out, s, h, G, Hq, Hkv, BS, scale, dtype, 8); continue; }
-#endif
-    item_generic(q, kc, vc, table, seq_lens[s], out, s, h, G, Hq, Hkv, D, BS, scale, dtype);
-  }
-}
-"""
-
+MAX_HEAD_DIM, MAX_GROUP = 256, 16  # paged_decode.c's MAXD, MAXG
 SIGNATURE = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
 
 
 def load_decode_kernel():
     """The compiled paged_decode function, or None when it cannot be built here."""
-    lib = load_library("paged_decode", C_SOURCE, {"paged_decode": SIGNATURE})
+    lib = load_library("paged_decode", {"paged_decode": SIGNATURE})
     return None if lib is None else lib.paged_decode
 
 
+def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+    """What paged_decode.c reads: contiguous tensors of one dtype, D <= 256, G = Hq / Hkv <= 16, int32 tables."""
+    shape, cache = q.shape, k_cache.shape
+    if len(shape) != 3 or len(cache) != 4 or out.shape != shape or v_cache.shape != cache or shape[2] != cache[3]:
+        raise ValueError(f"paged_decode: q/out [S, Hq, D], k/v_cache [NB, BS, Hkv, D]; got q {tuple(shape)}, out "
+                         f"{tuple(out.shape)}, k_cache {tuple(cache)}, v_cache {tuple(v_cache.shape)}")
+    num_seqs, hq, d = shape
+    hkv = cache[2]
+    dtype = q.dtype
+    if k_cache.dtype is not dtype or v_cache.dtype is not dtype or out.dtype is not dtype or dtype not in DTYPE_CODES:
+        raise ValueError(f"paged_decode: q, caches and out of one dtype among {list(DTYPE_CODES)}; got {dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}, {out.dtype}")
+    if not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_decode: q, out and the caches must be contiguous")
+    if d > MAX_HEAD_DIM or hq % hkv or hq // hkv > MAX_GROUP:
+        raise ValueError(f"paged_decode: head_dim <= {MAX_HEAD_DIM} and Hq a multiple of Hkv at most {MAX_GROUP} "
+                         f"times it; got D {d}, Hq {hq}, Hkv {hkv}")
+    tables = block_tables.shape
+    if block_tables.dtype is not torch.int32 or seq_lens.dtype is not torch.int32 or len(tables) != 2 \
+            or tables[0] != num_seqs or seq_lens.shape != (num_seqs,) or not block_tables.is_contiguous() \
+            or not seq_lens.is_contiguous():
+        raise ValueError(f"paged_decode: block_tables int32 [S, MB] and seq_lens int32 [S] contiguous, S = {num_seqs}; "
+                         f"got {block_tables.dtype} {tuple(tables)}, {seq_lens.dtype} {tuple(seq_lens.shape)}")
+
+
+# paged_decode - q [S, Hq, D] x k/v_cache [NB, BS, Hkv, D] (fp32/bf16/fp16, contiguous), block_tables int32
+#                [S, MB], seq_lens int32 [S] -> out [S, Hq, D] (written in place), q's dtype
 def paged_decode(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """out [S, Hq, D] = attention of q [S, Hq, D] over tokens [0, seq_lens[s]) of each sequence's cache."""
+    """out = attention of each sequence's one query over tokens [0, seq_lens[s]) of its cache (fn: the kernel)."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, out)
     num_seqs, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
-    assert q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype and q.dtype in DTYPE_CODES
-    assert d <= MAX_HEAD_DIM and hq % hkv == 0 and hq // hkv <= MAX_GROUP
-    assert block_tables.dtype == torch.int32 and block_tables.is_contiguous() and block_tables.shape[0] == num_seqs
-    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.shape == (num_seqs,)
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
        out.data_ptr(), num_seqs, hq, hkv, d, block_size, block_tables.shape[1], scale, DTYPE_CODES[q.dtype],
        torch.get_num_threads())
+
+
+# paged_decode_ref - the same arguments (no out) -> [S, Hq, D] fp32
+def paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    """Plain torch: each sequence's query is the last of its seq_lens[s] positions, so decode is the prefill
+    reference with one query per sequence."""
+    one_each = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_prefill_ref(q, k_cache, v_cache, block_tables, one_each, seq_lens, scale)

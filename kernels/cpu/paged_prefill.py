@@ -1,5 +1,5 @@
-"""Paged prefill attention on CPU with AMX tiles (C, compiled once by cpu_build): every prefill chunk of a step in
-one call, reading K/V straight from the paged cache, causal over each sequence's whole context.
+"""Paged prefill attention on CPU with AMX tiles (paged_prefill.c, built once by build.py): every prefill chunk of
+a step in one call, reading K/V straight from the paged cache, causal over each sequence's whole context.
 
 Work item = (sequence, kv head), spread over torch's OpenMP threads. Per item, into thread scratch:
   kt  K rows [0, L) as VNNI B tiles of S = Q K^T: per 16-key block, element (r, n) = K[16kb + n][2r, 2r + 1]
@@ -19,162 +19,7 @@ import ctypes
 
 import torch
 
-from quantkit.kernels.cpu.build import C_AMX, C_DTYPES, C_EXP16, load_library
-
-C_SOURCE = C_DTYPES + C_AMX + C_EXP16 + r"""
-#include <math.h>
-#include <stdlib.h>
-
-static inline int64_t cache_row(const int32_t* table, int t, int BS, int Hkv, int h, int D) {
-  return (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;
-}
-
-/* kt[(kb * D/2 + r) * 16 + n] = the bf16 pair K[16kb + n][2r, 2r + 1] (0 past L), for keys [0, Lp) */
-static void pack_k(const uint16_t* kc, const int32_t* table, int L, int Lp, int h, int Hkv, int D, int BS,
-                   uint32_t* kt) {
-  for (int t = 0; t < Lp; t++) {
-    uint32_t* dst = kt + (int64_t)(t / 16) * (D / 2) * 16 + t % 16;
-    if (t < L) {
-      const uint32_t* row = (const uint32_t*)(kc + cache_row(table, t, BS, Hkv, h, D));
-      for (int r = 0; r < D / 2; r++) dst[r * 16] = row[r];
-    } else {
-      for (int r = 0; r < D / 2; r++) dst[r * 16] = 0;
-    }
-  }
-}
-
-/* vv[((kb * D/16 + c) * 16 + r) * 16 + n] = V[32kb + 2r][16c + n] | V[32kb + 2r + 1][16c + n] << 16 (0 past L) */
-static void pack_v(const uint16_t* vc, const int32_t* table, int L, int Lp, int h, int Hkv, int D, int BS,
-                   uint32_t* vv) {
-  for (int t = 0; t < Lp; t += 2) {
-    const uint16_t* a = t < L ? vc + cache_row(table, t, BS, Hkv, h, D) : NULL;
-    const uint16_t* b = t + 1 < L ? vc + cache_row(table, t + 1, BS, Hkv, h, D) : NULL;
-    const int kb = t / 32, r = (t % 32) / 2;
-    for (int c = 0; c < D / 16; c++) {
-      const __m512i zero = _mm512_setzero_si512();
-      const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + 16 * c))) : zero;
-      const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + 16 * c))) : zero;
-      _mm512_store_si512((__m512i*)(vv + (((int64_t)kb * (D / 16) + c) * 16 + r) * 16),
-                         _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
-  }
-}
-
-/* S[:, 16kb : 16kb + 16] (row stride ls floats) = Q K^T for key blocks [0, nkb); Q's d chunks are in tiles 4.. */
-#define QK_BLOCKS(NC)                                                                                  \
-  for (int kb = 0; kb < nkb; kb++) {                                                                   \
-    const uint32_t* kblk = kt + (int64_t)kb * (D / 2) * 16;                                            \
-    _tile_zero(0);                                                                                      \
-    _tile_loadd(1, kblk, 64); _tile_dpbf16ps(0, 4, 1);                                                  \
-    _tile_loadd(1, kblk + 256, 64); _tile_dpbf16ps(0, 5, 1);                                            \
-    if (NC == 4) {                                                                                      \
-      _tile_loadd(1, kblk + 512, 64); _tile_dpbf16ps(0, 6, 1);                                          \
-      _tile_loadd(1, kblk + 768, 64); _tile_dpbf16ps(0, 7, 1);                                          \
-    }                                                                                                   \
-    _tile_stored(0, S + 16 * kb, ls * 4);                                                               \
-  }
-
-/* one (sequence, kv head): queries [q0, q0 + ql) of the step (rows of q / out, stride qs / os elements), keys
-   [0, L); query i sits at position L - ql + i */
-static void item(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int32_t* table,
-                 int q0, int ql, int L, uint16_t* out, int64_t os, int h, int G, int Hkv, int D, int BS, float scale,
-                 uint32_t* kt, uint32_t* vv, float* S, uint16_t* P, uint16_t* qpad, float* O) {
-  const int Lp = (L + 31) / 32 * 32, ls = Lp, past = L - ql;
-  pack_k(kc, table, L, Lp, h, Hkv, D, BS, kt);
-  pack_v(vc, table, L, Lp, h, Hkv, D, BS, vv);
-  for (int g = 0; g < G; g++) {
-    const int head = h * G + g;
-    for (int b0 = 0; b0 < ql; b0 += 16) {
-      const int rows = ql - b0 < 16 ? ql - b0 : 16;
-      const uint16_t* qa = q + (int64_t)(q0 + b0) * qs + (int64_t)head * D;
-      int64_t qstride = qs * 2;
-      if (rows < 16) {  /* a zero-padded copy: the rows past the chunk belong to other tokens or to nothing */
-        memset(qpad, 0, (size_t)16 * D * 2);
-        for (int i = 0; i < rows; i++) memcpy(qpad + i * D, qa + (int64_t)i * qs, (size_t)D * 2);
-        qa = qpad; qstride = (int64_t)D * 2;
-      }
-      const int keys = past + b0 + rows;            /* the last query of the block sees keys [0, keys) */
-      const int nkb = (keys + 15) / 16, ncol = (keys + 31) / 32 * 32;
-      _tile_loadd(4, qa, qstride);
-      _tile_loadd(5, qa + 32, qstride);
-      if (D == 128) { _tile_loadd(6, qa + 64, qstride); _tile_loadd(7, qa + 96, qstride); QK_BLOCKS(4) }
-      else { QK_BLOCKS(2) }
-      float inv[16];
-      for (int i = 0; i < 16; i++) {
-        const int lim = i < rows ? past + b0 + i + 1 : 0;  /* keys row i sees; padded rows get P = 0 */
-        const float* srow = S + (int64_t)i * ls;
-        uint16_t* prow = P + (int64_t)i * ls;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int j = 0; j < lim; j += 16) {
-          const __mmask16 live = lim - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim - j)) - 1u);
-          mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, live, srow + j));
-        }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale), sc = _mm512_set1_ps(scale);
-        __m512 sum = _mm512_setzero_ps();
-        for (int j = 0; j < ncol; j += 16) {
-          const int live_n = lim - j;
-          const __mmask16 live = live_n >= 16 ? (__mmask16)0xFFFF : live_n <= 0 ? 0 : (__mmask16)((1u << live_n) - 1u);
-          const __m512 s = _mm512_maskz_loadu_ps(live, srow + j);
-          const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_fmsub_ps(s, sc, m)));
-          sum = _mm512_add_ps(sum, p);
-          _mm256_storeu_si256((__m256i*)(prow + j), (__m256i)_mm512_cvtneps_pbh(p));
-        }
-        const float total = _mm512_reduce_add_ps(sum);
-        inv[i] = total > 0.f ? 1.f / total : 0.f;
-      }
-      for (int d0 = 0; d0 < D; d0 += 64) {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int kb = 0; kb < ncol / 32; kb++) {
-          const uint32_t* vblk = vv + ((int64_t)kb * (D / 16) + d0 / 16) * 256;
-          _tile_loadd(4, P + 32 * kb, ls * 2);
-          _tile_loadd(5, vblk, 64); _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(5, vblk + 256, 64); _tile_dpbf16ps(1, 4, 5);
-          _tile_loadd(5, vblk + 512, 64); _tile_dpbf16ps(2, 4, 5);
-          _tile_loadd(5, vblk + 768, 64); _tile_dpbf16ps(3, 4, 5);
-        }
-        _tile_stored(0, O + d0, D * 4); _tile_stored(1, O + d0 + 16, D * 4);
-        _tile_stored(2, O + d0 + 32, D * 4); _tile_stored(3, O + d0 + 48, D * 4);
-      }
-      for (int i = 0; i < rows; i++) {
-        uint16_t* orow = out + (int64_t)(q0 + b0 + i) * os + (int64_t)head * D;
-        const __m512 w = _mm512_set1_ps(inv[i]);
-        for (int d = 0; d < D; d += 16)
-          _mm256_storeu_si256((__m256i*)(orow + d),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(O + i * D + d), w)));
-      }
-    }
-  }
-}
-
-/* q [T, Hq, D] bf16 (token stride qs elements); k/v cache [NB, BS, Hkv, D]; tables int32 [S, MB]; qsl int32
-   [S + 1]: sequence s's queries are rows [qsl[s], qsl[s + 1]); seq_lens int32 [S]: its keys after this step;
-   out like q (token stride os). D = 64 or 128, Hq % Hkv == 0. */
-void paged_prefill(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int32_t* tables,
-                   int MB, const int32_t* qsl, const int32_t* seq_lens, uint16_t* out, int64_t os, int S, int Hq,
-                   int Hkv, int D, int BS, float scale, int threads) {
-  int max_lp = 32;
-  for (int s = 0; s < S; s++) max_lp = seq_lens[s] + 31 > max_lp ? (seq_lens[s] + 31) / 32 * 32 : max_lp;
-  const int G = Hq / Hkv;
-  #pragma omp parallel num_threads(threads)
-  {
-    tiles_on();
-    uint32_t* kt = aligned_alloc(64, (size_t)max_lp * D * 2);
-    uint32_t* vv = aligned_alloc(64, (size_t)max_lp * D * 2);
-    float* Sb = aligned_alloc(64, (size_t)16 * max_lp * 4);
-    uint16_t* Pb = aligned_alloc(64, (size_t)16 * max_lp * 2);
-    uint16_t* qpad = aligned_alloc(64, (size_t)16 * D * 2);
-    float* O = aligned_alloc(64, (size_t)16 * D * 4);
-    #pragma omp for schedule(dynamic, 1)
-    for (int it = 0; it < S * Hkv; it++) {
-      const int s = it / Hkv, h = it % Hkv;
-      item(q, qs, kc, vc, tables + (int64_t)s * MB, qsl[s], qsl[s + 1] - qsl[s], seq_lens[s], out, os, h, G, Hkv,
-           D, BS, scale, kt, vv, Sb, Pb, qpad, O);
-    }
-    free(kt); free(vv); free(Sb); free(Pb); free(qpad); free(O);
-    _tile_release();
-  }
-}
-"""
+from quantkit.kernels.cpu.build import load_library
 
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURE = [_P, _I64, _P, _P, _P, _INT, _P, _P, _P, _I64] + [_INT] * 5 + [ctypes.c_float, _INT]
@@ -187,28 +32,69 @@ def load_prefill_kernel():
 
     if not cpu_gemm.available():  # the same AMX checks (and the tile permission, asked once per process)
         return None
-    lib = load_library("paged_prefill_amx", C_SOURCE, {"paged_prefill": SIGNATURE})
+    lib = load_library("paged_prefill", {"paged_prefill": SIGNATURE})
     return None if lib is None else lib.paged_prefill
 
 
 def supports(k_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes this cache [NB, BS, Hkv, D]: bf16, head_dim 64 or 128."""
+    """Whether the kernel takes this cache [NB, BS, Hkv, D]: bf16, head_dim 64 or 128, contiguous."""
     return k_cache.dtype == torch.bfloat16 and k_cache.shape[-1] in HEAD_DIMS and k_cache.is_contiguous()
 
 
+def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out) -> None:
+    """What paged_prefill.c reads: bf16 caches of head_dim 64/128, q and out with each token's heads contiguous
+    (tokens at any stride), int32 tables."""
+    cache = k_cache.shape
+    if len(cache) != 4 or v_cache.shape != cache or not supports(k_cache) or not v_cache.is_contiguous() \
+            or v_cache.dtype is not torch.bfloat16:
+        raise ValueError(f"paged_prefill: k/v_cache bf16 [NB, BS, Hkv, D in {HEAD_DIMS}] contiguous; got "
+                         f"{tuple(cache)} {k_cache.dtype}, {tuple(v_cache.shape)} {v_cache.dtype}")
+    hkv, d = cache[2], cache[3]
+    shape = q.shape
+    for name, t in (("q", q), ("out", out)):
+        if t.dtype is not torch.bfloat16 or t.shape != shape or len(shape) != 3 or shape[2] != d or shape[1] % hkv \
+                or t.stride()[1:] != (d, 1):
+            raise ValueError(f"paged_prefill: {name} bf16 [T, Hq, {d}] like q, Hq a multiple of {hkv}, heads "
+                             f"contiguous within a token; got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    num_seqs = seq_lens.shape[0]
+    if block_tables.dtype is not torch.int32 or query_start_loc.dtype is not torch.int32 \
+            or seq_lens.dtype is not torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs \
+            or query_start_loc.shape != (num_seqs + 1,) or seq_lens.dim() != 1 or not block_tables.is_contiguous() \
+            or not query_start_loc.is_contiguous() or not seq_lens.is_contiguous():
+        raise ValueError(f"paged_prefill: block_tables int32 [S, MB], query_start_loc int32 [S + 1], seq_lens int32 "
+                         f"[S], contiguous; got {block_tables.dtype} {tuple(block_tables.shape)}, "
+                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}, {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+
+
+# paged_prefill - q [T, Hq, D] bf16 (token stride free) x k/v_cache [NB, BS, Hkv, D] bf16, block_tables int32
+#                 [S, MB], query_start_loc int32 [S + 1], seq_lens int32 [S] -> out [T, Hq, D] bf16 (in place)
 def paged_prefill(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """out [T, Hq, D] = causal attention of q [T, Hq, D] (sequence s's queries are rows query_start_loc[s] ..
-    query_start_loc[s + 1], the last of its seq_lens[s] positions) over each sequence's paged cache."""
+    """out = causal attention of q (sequence s's queries are rows query_start_loc[s] .. query_start_loc[s + 1],
+    the last of its seq_lens[s] positions) over each sequence's paged cache (fn: the kernel)."""
+    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
     num_seqs = seq_lens.shape[0]
     _, block_size, hkv, d = k_cache.shape
-    hq = q.shape[1]
-    assert supports(k_cache) and v_cache.is_contiguous() and hq % hkv == 0
-    for t in (q, out):  # tokens at any stride; heads and elements contiguous within a token
-        assert t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == d
-    assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
-    assert block_tables.is_contiguous() and query_start_loc.is_contiguous() and seq_lens.is_contiguous()
-    assert block_tables.shape[0] == num_seqs and query_start_loc.shape == (num_seqs + 1,)
     fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
        block_tables.shape[1], query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), out.stride(0),
-       num_seqs, hq, hkv, d, block_size, scale, torch.get_num_threads())
+       num_seqs, q.shape[1], hkv, d, block_size, scale, torch.get_num_threads())
+
+
+# paged_prefill_ref - the same arguments (no out) -> [T, Hq, D] fp32
+def paged_prefill_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale) -> torch.Tensor:
+    """Plain torch, fp32: each sequence's queries (the last positions of its context) attend causally over its
+    cached keys (gathered through its block table)."""
+    hq, d = q.shape[1], q.shape[2]
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape)
+    for s in range(len(seq_lens)):
+        n, a, b = int(seq_lens[s]), int(query_start_loc[s]), int(query_start_loc[s + 1])
+        rows = block_tables[s, : -(-n // block_size)].long()
+        k = k_cache[rows].reshape(-1, hkv, d)[:n].float().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+        v = v_cache[rows].reshape(-1, hkv, d)[:n].float().repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].float(), k) * scale
+        positions = torch.arange(b - a)[:, None] + (n - (b - a))  # [q, 1]
+        scores = scores.masked_fill(torch.arange(n)[None, :] > positions, float("-inf"))
+        out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out

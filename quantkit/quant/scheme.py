@@ -119,6 +119,21 @@ def canonical_g_idx(g_idx: Optional[torch.Tensor], in_features: int, group_size:
     return None if torch.equal(g_idx, default) else g_idx
 
 
+def contiguous_groups(qt: QTensor) -> Optional[tuple[Optional[torch.Tensor], int, torch.Tensor]]:
+    """(perm int64 [K] or None, g, codes[:, perm] uint8 [N, K]) such that the input columns x[:, perm] fall in
+    contiguous groups of g columns in group order (what the CPU kernels take); perm None without act-order, g = K
+    per-channel. None when act-order groups differ in size (no permutation makes them runs of one length)."""
+    k = qt.shape[1]
+    g = k if qt.group_size == -1 else qt.group_size
+    if qt.g_idx is None:
+        return None, g, qt.codes
+    counts = torch.bincount(qt.g_idx.to(torch.int64), minlength=num_groups(k, qt.group_size))
+    if not bool((counts == g).all()):
+        return None
+    perm = torch.argsort(qt.g_idx, stable=True)
+    return perm, g, qt.codes[:, perm]
+
+
 def fit_qparams(w: torch.Tensor, scheme: QuantScheme, g_idx: Optional[torch.Tensor] = None, layer: str = ""
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (scales float16 [N, G], zeros uint8 [N, G]) by min/max per group (module docstring).

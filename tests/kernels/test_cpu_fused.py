@@ -1,5 +1,6 @@
-"""The fused CPU kernels (kernels/cpu/fused.py) against the model's plain torch ops (TorchOps), per dtype, on strided
-views like the ones the runner hands them, and a whole model run through each."""
+"""The fused CPU kernels (kernels/cpu/fused.py) against their torch references (*_ref) and the model's plain torch
+ops (TorchOps, their fallback), per dtype, on strided views like the ones the runner hands them, and a whole model
+run through each; the RoPE table against the model's rotary embedding; the launchers' refusals."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding, TorchOps
+from quantkit.kernels.cpu import fused
 from quantkit.kernels.cpu.fused import CpuFusedOps
 from tests.conftest import tiny_hf_config
 
@@ -18,10 +20,10 @@ DTYPES = list(TOLERANCE)
 
 @pytest.fixture(scope="module")
 def ops():
-    fused = CpuFusedOps.load()
-    if fused is None:
+    ops = CpuFusedOps.load(TorchOps)
+    if ops is None:
         pytest.fail("the fused CPU kernels did not build: a C compiler (gcc) is expected on this machine")
-    return fused
+    return ops
 
 
 def close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -42,6 +44,9 @@ def test_add_rms_norm(ops, dtype, rows):
     want, want_total = TorchOps.rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(total, want_total)  # one rounding of the sum in both
     close(got, want, dtype)
+    ref, ref_total = fused.add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(ref_total, total)
+    close(got, ref, dtype)
     alone, same = ops.rms_norm(x, None, weight, 1e-5)
     assert same is x
     close(alone, TorchOps.rms_norm(x, None, weight, 1e-5)[0], dtype)
@@ -54,6 +59,7 @@ def test_silu_mul(ops, dtype, rows):
     gate_up = (6 * torch.randn(rows, 2 * 80, generator=gen)).to(dtype)  # [T, 2I]: gate | up, strided halves
     gate, up = gate_up[:, :80], gate_up[:, 80:]
     close(ops.silu_mul(gate, up), TorchOps.silu_mul(gate, up), dtype)
+    close(ops.silu_mul(gate, up), fused.silu_mul_ref(gate, up), dtype)
     extreme = torch.tensor([[-200.0, -90.0, -1e-3, 0.0, 1e-3, 90.0, 200.0]]).to(dtype)
     close(ops.silu_mul(extreme, torch.ones_like(extreme)), TorchOps.silu_mul(extreme, torch.ones_like(extreme)), dtype)
 
@@ -69,12 +75,17 @@ def test_rope_in_place_matches_torch(ops, dtype, scaling):
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)  # one fused projection's output
     q, k = qkv[:, : hq * d].view(tokens, hq, d), qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
     positions = torch.tensor([0, 1, 2, 15, 16, 17, 300, 301, 1000, 5, 5])
+    q_before, k_before = q.clone(), k.clone()
     want_q, want_k = TorchOps.rope(q.clone(), k.clone(), positions, rotary)
     got_q, got_k = ops.rope(q, k, positions, rotary)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
     close(got_q, want_q, dtype)
     close(got_k, want_k, dtype)
-    assert rotary.table(positions).shape[0] > 1000
+    table = ops.rope_table(positions, rotary.inv_freq)
+    assert table.shape[0] > 1000
+    # no FMA contraction in the kernel: the same fp32 products and sums as the reference, one rounding
+    assert torch.equal(got_q, fused.rope_ref(q_before, positions, table))
+    assert torch.equal(got_k, fused.rope_ref(k_before, positions, table))
 
 
 def test_kv_store_equals_index_copy(ops):
@@ -84,8 +95,7 @@ def test_kv_store_equals_index_copy(ops):
     k, v = kv[:, 16:32].view(5, 2, 8), kv[:, 32:].view(5, 2, 8)
     slots = torch.tensor([3, 0, 23, 9, 10])
     ops.kv_store(k, v, caches[0], caches[1], slots)
-    caches[2].view(-1, 2, 8).index_copy_(0, slots, k)
-    caches[3].view(-1, 2, 8).index_copy_(0, slots, v)
+    fused.kv_store_ref(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
@@ -103,3 +113,59 @@ def test_model_with_fused_ops_matches_torch_ops(ops, dtype):
         model.set_ops(TorchOps)
     tol = 1e-4 if dtype == torch.float32 else 0.15
     torch.testing.assert_close(got, want, atol=tol, rtol=0)
+
+
+def test_rope_table_is_the_rotary_embeddings_cos_and_sin(ops):
+    """Row p = cos | sin of the fp32 angles RotaryEmbedding.forward computes at position p, bit for bit; checked
+    once per positions tensor, grown by doubling, rebuilt for another inv_freq."""
+    cfg = ModelConfig.from_hf(tiny_hf_config("llama", rope_theta=10000.0, head_dim=32))
+    rotary = RotaryEmbedding(cfg)
+    ops = CpuFusedOps(ops.lib, TorchOps)  # a fresh table
+    positions = torch.tensor([0, 7, 255, 3, 100])
+    table = ops.rope_table(positions, rotary.inv_freq)
+    assert table.shape == (256, 32) and table.dtype == torch.float32
+    cos, sin = rotary(positions, torch.float32)  # [T, 1, D], each half the same angles
+    assert torch.equal(table[positions], torch.cat((cos[:, 0, :16], sin[:, 0, :16]), dim=-1))
+    assert ops.rope_table(positions, rotary.inv_freq) is table  # the same forward: no check, no rebuild
+    grown = ops.rope_table(torch.tensor([300]), rotary.inv_freq)
+    assert grown.shape[0] == 512 and torch.equal(grown[:256], table)
+    assert ops.rope_table(torch.tensor([5]), rotary.inv_freq) is grown  # smaller positions reuse it
+    rotary.inv_freq = rotary.inv_freq * 0.5  # another tensor (a model with other RoPE scaling): rebuilt, same size
+    rebuilt = ops.rope_table(torch.tensor([5]), rotary.inv_freq)
+    cos, sin = rotary(torch.arange(512), torch.float32)
+    assert torch.equal(rebuilt, torch.cat((cos[:, 0, :16], sin[:, 0, :16]), dim=-1))
+
+
+def test_inputs_the_kernels_do_not_cover_take_the_fallback(ops):
+    class Recorder:
+        calls = []
+
+        @staticmethod
+        def silu_mul(gate, up):
+            Recorder.calls.append("silu_mul")
+            return TorchOps.silu_mul(gate, up)
+
+    mixed = CpuFusedOps(ops.lib, Recorder)
+    gate = torch.randn(3, 8, dtype=torch.float64)
+    assert torch.equal(mixed.silu_mul(gate, gate), TorchOps.silu_mul(gate, gate)) and Recorder.calls == ["silu_mul"]
+
+
+def test_launchers_refuse_what_the_kernels_do_not_take(ops):
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(ValueError, match="weight"):
+        ops.rms_norm(x, None, torch.ones(32).bfloat16(), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        ops.rms_norm(x, torch.randn(4, 32).bfloat16(), torch.ones(64).bfloat16(), 1e-5)
+    with pytest.raises(ValueError, match="row contiguous"):
+        ops.rms_norm(torch.randn(64, 4).bfloat16().T, None, torch.ones(64).bfloat16(), 1e-5)
+    with pytest.raises(ValueError, match="silu_mul"):
+        ops.silu_mul(x, x[:, :32])
+    cfg = ModelConfig.from_hf(tiny_hf_config("llama", head_dim=32))
+    q, k = torch.randn(4, 2, 64).bfloat16(), torch.randn(4, 1, 64).bfloat16()
+    with pytest.raises(ValueError, match="rope"):  # the rotary embedding is for head_dim 32
+        ops.rope(q, k, torch.arange(4), RotaryEmbedding(cfg))
+    k_cache = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_store"):
+        ops.kv_store(k, k, k_cache, k_cache, torch.arange(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="kv_store"):
+        ops.kv_store(k.float(), k.float(), k_cache, k_cache, torch.arange(4))

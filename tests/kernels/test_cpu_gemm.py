@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.config import QuantScheme
-from quantkit.models.llama import Attention, LlamaForCausalLM, ModelConfig
+from quantkit.models.llama import Attention, LlamaForCausalLM, ModelConfig, TorchOps
 from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
-from quantkit.quant.scheme import quantize_rtn
+from quantkit.quant.scheme import QTensor, dequantize, quantize_rtn
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.serve.cpu_linear import FusedLinear, PackedLinear, pack_linears
@@ -58,7 +58,7 @@ def test_random_rows_match_the_fp32_reference(rows):
     w = weight(seed=1)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).bfloat16()
     y = cpu_gemm.matmul_bf16(x, cpu_gemm.pack_bf16(w))
-    ref = x.float() @ w.float().T
+    ref = cpu_gemm.matmul_bf16_ref(x, w)
     # bf16 output rounding (2^-8 relative) + fp32 accumulation over K terms
     bound = 2**-8 * ref.abs() + K * 2**-23 * (x.float().abs() @ w.float().abs().T)
     assert bool(((y.float() - ref).abs() <= bound).all())
@@ -118,7 +118,7 @@ def test_fused_projections_give_the_unfused_outputs_bit_for_bit(bits, tokens, op
     formula) the fused epilogue's is within bf16 rounding."""
     model = tiny_model(bits)
     if ops == "fused":
-        model.set_ops(CpuFusedOps.load())
+        model.set_ops(CpuFusedOps.load(TorchOps))
     ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     state_keys = list(model.state_dict())
     with torch.no_grad():
@@ -144,3 +144,62 @@ def test_projections_with_different_packings_stay_apart():
     attn.v_proj = QLinear.from_qtensor(quantize_rtn(torch.randn(32, 64), scheme))
     fuse_projections(model)
     assert type(attn) is Attention and isinstance(model.model.layers[0].mlp, FusedMLP)
+
+
+def test_gate_up_epilogue_matches_the_reference():
+    """act: the weight's 16-row blocks alternate gate and up; y = silu(gate) * up, both products rounded to bf16."""
+    gate, up = weight(32, K, seed=2), weight(32, K, seed=3)
+    w = torch.stack([gate.view(2, 16, K), up.view(2, 16, K)], dim=1).reshape(64, K)  # g0 u0 g1 u1
+    x = torch.randn(21, K, generator=torch.Generator().manual_seed(4)).bfloat16()
+    y = cpu_gemm.matmul_bf16(x, cpu_gemm.pack_bf16(w), act=True)
+    ref = cpu_gemm.matmul_bf16_ref(x, w, act=True)
+    assert y.shape == (21, 32) and torch.allclose(ref, F.silu((x.float() @ gate.float().T).bfloat16().float())
+                                                  * (x.float() @ up.float().T).bfloat16().float(), atol=1e-6)
+    torch.testing.assert_close(y.float(), ref, atol=1e-3, rtol=2**-7)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [5, cpu_gemm._FUSED_MAX_M + 1])
+def test_prepared_quantized_weight_matches_the_reference(bits, rows):
+    """prepare(qt) (act-order permutation + packing) then matmul_packed, against the format's dequantization."""
+    gen = torch.Generator().manual_seed(bits + rows)
+    g_idx = (torch.randperm(K, generator=gen) % (K // 32)).to(torch.int32)  # act-order, ten groups of 32
+    qt = quantize_rtn(torch.randn(N, K, generator=gen) * 0.05, QuantScheme(bits=bits, group_size=32, sym=False))
+    qt = QTensor(qt.codes, qt.zeros, qt.scales, g_idx, bits, 32, False)
+    perm, packed = cpu_gemm.prepare(qt)
+    assert torch.equal(qt.g_idx[perm], torch.arange(K) // 32)
+    x = torch.randn(rows, K, generator=gen).bfloat16()
+    y = cpu_gemm.matmul_packed(x, perm, packed, bits)
+    ref = cpu_gemm.matmul_quantized_ref(x, qt)
+    w = dequantize(qt, torch.bfloat16).float()
+    bound = 2**-8 * ref.abs() + K * 2**-23 * (x.float().abs() @ w.abs().T)
+    assert bool(((y.float() - ref).abs() <= bound).all())
+
+
+def test_prepare_declines_shapes_the_kernel_does_not_take():
+    scheme = QuantScheme(bits=4, group_size=32, sym=False)
+    assert cpu_gemm.prepare(quantize_rtn(torch.randn(40, K), scheme)) is None  # N % 16
+    assert cpu_gemm.prepare(quantize_rtn(torch.randn(N, 48), QuantScheme(bits=4, group_size=16, sym=False))) is None
+
+
+def test_launchers_refuse_what_the_kernels_do_not_take():
+    w = weight()
+    packed = cpu_gemm.pack_bf16(w)
+    x = torch.randn(3, K).bfloat16()
+    for bad in (x.float(), torch.randn(K, 3).bfloat16().T, x[:, :K - 32].contiguous(), x[None]):
+        with pytest.raises(ValueError, match="x must be"):
+            cpu_gemm.matmul_bf16(bad, packed)
+    with pytest.raises(ValueError, match="pack_bf16"):
+        cpu_gemm.matmul_bf16(x, packed.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(ValueError, match="pairs"):
+        cpu_gemm.matmul_bf16(x, packed, act=True)  # three blocks: no gate/up pairs
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(N, K // 32, generator=gen).half()
+    quantized = cpu_gemm.pack_quantized(codes, scales, torch.zeros(N, K // 32, dtype=torch.uint8), 4, 32)
+    with pytest.raises(ValueError, match="8-bit"):
+        cpu_gemm.matmul_quantized(x, quantized, 8)  # 4-bit codes
+    with pytest.raises(ValueError, match="pack_quantized"):
+        cpu_gemm.matmul_quantized(x, (quantized[0], quantized[1][:, :5], 32), 4)  # qparams of half the groups
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_gemm.matmul_quantized(x[:, :K - 32].contiguous(), quantized, 4)

@@ -1,7 +1,8 @@
-"""The AMX paged prefill kernel against a plain fp32 torch reference (gather each sequence's K/V, causal softmax
-over its whole context, sum), and inside TorchPagedAttention against the SDPA path it replaces. Edge sizes: chunks
-of 1 / 15 / 16 / 17 / 33 queries, chunks after cached context (past not a multiple of 16 or 32), contexts past
-one 32-key tile, GQA groups, head_dim 64 and 128, queries as a strided view (the fused q/k/v projection's).
+"""The AMX paged prefill kernel against its plain fp32 torch reference (paged_prefill_ref: gather each sequence's
+K/V, causal softmax over its whole context, sum), its launcher's refusals, and inside TorchPagedAttention against
+the SDPA path it replaces. Edge sizes: chunks of 1 / 15 / 16 / 17 / 33 queries, chunks after cached context (past
+not a multiple of 16 or 32), contexts past one 32-key tile, GQA groups, head_dim 64 and 128, queries as a strided
+view (the fused q/k/v projection's).
 
 Tolerance: P and the output are rounded to bf16 as SDPA's bf16 path rounds them; SDPA's own relative error
 against the same fp32 reference is ~2e-3 on these inputs, the kernel's the same.
@@ -45,23 +46,6 @@ def paged_problem(hq, hkv, d, q_lens, pasts, block_size=16, seed=0):
     return qkv[:, :hq], k_cache, v_cache, tables, qsl, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-def reference(q, k_cache, v_cache, tables, qsl, seq_lens, scale):
-    """fp32: each sequence's queries (the last positions of its context) attend causally over its cached keys."""
-    hq, d = q.shape[1], q.shape[2]
-    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty(q.shape)
-    for s in range(len(seq_lens)):
-        n, a, b = int(seq_lens[s]), int(qsl[s]), int(qsl[s + 1])
-        rows = tables[s, : -(-n // block_size)].long()
-        k = k_cache[rows].reshape(-1, hkv, d)[:n].float().repeat_interleave(hq // hkv, dim=1)
-        v = v_cache[rows].reshape(-1, hkv, d)[:n].float().repeat_interleave(hq // hkv, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[a:b].float(), k) * scale
-        positions = torch.arange(b - a)[:, None] + (n - (b - a))
-        scores = scores.masked_fill(torch.arange(n)[None, :] > positions, float("-inf"))
-        out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return out
-
-
 @pytest.mark.parametrize("hq,hkv,d,q_lens,pasts", [
     (9, 3, 64, [1, 15, 16, 17, 33], [0, 0, 0, 0, 0]),
     (9, 3, 64, [5, 40, 1], [21, 100, 300]),
@@ -73,7 +57,7 @@ def test_kernel_matches_reference(kernel, hq, hkv, d, q_lens, pasts):
     scale = d ** -0.5
     out = torch.full((q.shape[0], hq, d), float("nan"), dtype=torch.bfloat16)
     cpu_prefill.paged_prefill(kernel, q, k_cache, v_cache, tables, qsl, seq_lens, scale, out)
-    ref = reference(q, k_cache, v_cache, tables, qsl, seq_lens, scale)
+    ref = cpu_prefill.paged_prefill_ref(q, k_cache, v_cache, tables, qsl, seq_lens, scale)
     for s in range(len(q_lens)):  # per sequence: a wrong block table or causal limit fails one of them
         a, b = int(qsl[s]), int(qsl[s + 1])
         err = ((out[a:b].float() - ref[a:b]).norm() / ref[a:b].norm()).item()
@@ -101,3 +85,24 @@ def test_backend_with_kernel_matches_the_sdpa_path(kernel):
     fast, sdpa = outs
     assert torch.equal(fast[:2], sdpa[:2])
     assert ((fast[2:] - sdpa[2:]).norm() / sdpa[2:].norm()).item() < REL_TOL
+
+
+@pytest.mark.parametrize("bad", ["cache-fp32", "head-dim-32", "q-heads-strided", "hq-not-multiple", "qsl-int64",
+                                 "qsl-length"])
+def test_launcher_refuses_what_the_kernel_does_not_take(kernel, bad):
+    q, k_cache, v_cache, tables, qsl, seq_lens = paged_problem(4, 2, 64, [3, 5], [0, 2])
+    if bad == "cache-fp32":
+        k_cache, v_cache = k_cache.float(), v_cache.float()
+    elif bad == "head-dim-32":
+        q, k_cache, v_cache, tables, qsl, seq_lens = paged_problem(4, 2, 32, [3, 5], [0, 2])
+    elif bad == "q-heads-strided":
+        q = q[:, ::2]
+    elif bad == "hq-not-multiple":
+        q = q[:, :3]
+    elif bad == "qsl-int64":
+        qsl = qsl.long()
+    else:
+        qsl = qsl[:2]
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="paged_prefill"):
+        cpu_prefill.paged_prefill(kernel, q, k_cache, v_cache, tables, qsl, seq_lens, 0.125, out)

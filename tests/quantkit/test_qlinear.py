@@ -88,9 +88,9 @@ def test_cpu_kernel_reproduces_the_dequantized_weight_exactly(case, chunk):
     eye = torch.eye(k, dtype=torch.bfloat16)
     rows = [layer(part) for part in eye.split(chunk)]
     if chunk < _AMX_MIN_M:
-        assert layer._kernel[0] == kind
+        assert layer._prepared["tinygemm"][0] == kind
     else:
-        assert layer._kernel is None and layer._amx[0] == "amx"
+        assert "tinygemm" not in layer._prepared and layer._prepared["amx"] is not None
     assert torch.equal(torch.cat(rows).float(), dequantize(qt).T)
 
 
@@ -107,7 +107,7 @@ def test_cpu_kernel_matches_reference_on_random_inputs(case, rows):
     x = torch.randn(rows, k).bfloat16()
     y = layer(x)
     assert y.dtype == torch.bfloat16
-    assert layer._kernel[0] == kind if rows < _AMX_MIN_M else layer._amx[0] == "amx"
+    assert layer._prepared["tinygemm"][0] == kind if rows < _AMX_MIN_M else layer._prepared["amx"] is not None
     w = dequantize(qt)
     ref = x.float() @ w.T + bias.float()
     s_full = qt.scales.float()[:, qt.group_index()]
@@ -126,7 +126,7 @@ def test_amx_prefill_rows_use_a_bit_identical_dequantization(case):
     qt = make_qtensor(n, k, bits, g, sym, act, seed=8)
     layer = QLinear.from_qtensor(qt)
     x = torch.randn(cpu_gemm._FUSED_MAX_M + 1, k).bfloat16()
-    perm, packed = layer._amx_kernel()[1]
+    perm, packed = layer.prepared("amx")
     w = cpu_gemm.unpack_bf16(cpu_gemm.dequantize_vnni(packed, bits))
     reference = dequantize(qt, torch.bfloat16)
     reference = reference if perm is None else reference[:, perm]
@@ -163,7 +163,17 @@ def test_layers_no_kernel_fits_use_the_reference(qt):
     layer = QLinear.from_qtensor(qt)
     x = torch.randn(3, qt.shape[1]).bfloat16()
     assert torch.equal(layer(x), F.linear(x, dequantize(qt, torch.bfloat16)))
-    assert layer._kernel == ("none", None)
+    assert layer.prepared("tinygemm") is None
+
+
+def test_each_backends_copy_is_built_once_per_device():
+    layer = QLinear.from_qtensor(make_qtensor(32, 64, 4, 32, False, seed=6))
+    packed = layer.prepared("tinygemm")
+    assert packed[0] == "int4" and layer.prepared("tinygemm") is packed
+    layer.to(torch.bfloat16)  # a move or cast drops the copies
+    assert layer._prepared == {}
+    with pytest.raises(ValueError, match="unknown QLinear backend"):
+        layer.prepared("marlin")
 
 
 def test_model_dtype_casts_leave_the_quantized_weight_untouched():
@@ -186,7 +196,8 @@ def test_storage_is_the_packed_size():
         assert nbytes == n * k * bits // 8 + n * (k // g) * 3
     per_channel = QLinear.from_qtensor(make_qtensor(32, 128, 8, -1, True))
     per_channel(torch.randn(1, 128).bfloat16())
-    assert per_channel._kernel[0] == "int8" and per_channel._kernel[1][1] is per_channel.qweight  # shared, not copied
+    kind, tensors = per_channel.prepared("tinygemm")
+    assert kind == "int8" and tensors[1] is per_channel.qweight  # shared, not copied
 
 
 def test_rtn_layer_output_close_to_float_linear():
@@ -210,6 +221,6 @@ def test_cuda_forward_matches_reference_and_keeps_the_qtensor(case):
     x = torch.randn(3, k, device="cuda", dtype=torch.float16)
     y = layer(x)
     ref = x.float() @ dequantize(qt).cuda().T + bias.cuda()
-    assert y.dtype == torch.float16 and layer._kernel[0] == "cuda"
+    assert y.dtype == torch.float16 and layer.prepared("triton") is not None
     torch.testing.assert_close(y.float(), ref, rtol=4e-3, atol=2e-2)
     assert qt.equal(layer.cpu().qtensor())

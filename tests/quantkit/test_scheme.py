@@ -11,6 +11,7 @@ from quantkit.errors import QuantkitError
 from quantkit.quant.scheme import (
     SCALE_FLOOR,
     QTensor,
+    contiguous_groups,
     dequantize,
     fit_qparams,
     pack,
@@ -147,6 +148,22 @@ def test_act_order_g_idx_equals_contiguous_groups_of_permuted_columns(sym):
     assert torch.equal(codes[:, order], ref.codes)
     act = QTensor(codes, zeros, scales, g_idx, 4, g, sym)
     assert torch.equal(dequantize(act)[:, order], dequantize(ref))
+
+
+def test_contiguous_groups_put_act_order_columns_into_group_order():
+    gen = torch.Generator().manual_seed(4)
+    n, k, g = 4, 96, 32
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    zeros, scales = torch.zeros(n, k // g, dtype=torch.uint8), torch.ones(n, k // g, dtype=torch.float16)
+    g_idx = (torch.randperm(k, generator=gen) % (k // g)).to(torch.int32)
+    perm, size, permuted = contiguous_groups(QTensor(codes, zeros, scales, g_idx, 4, g, False))
+    assert size == g and torch.equal(g_idx[perm], torch.arange(k) // g) and torch.equal(permuted, codes[:, perm])
+    plain = contiguous_groups(QTensor(codes, zeros, scales, None, 4, g, False))
+    assert plain[:2] == (None, g) and plain[2] is codes
+    per_channel = contiguous_groups(QTensor(codes, zeros[:, :1], scales[:, :1], None, 4, -1, False))
+    assert per_channel[:2] == (None, k)
+    unequal = torch.cat([torch.zeros(40), torch.ones(24), torch.full((32,), 2)]).to(torch.int32)
+    assert contiguous_groups(QTensor(codes, zeros, scales, unequal, 4, g, False)) is None
 
 
 def test_qtensor_rejects_mismatched_shapes_and_dtypes():

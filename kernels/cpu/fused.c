@@ -1,0 +1,117 @@
+/* The fused per-token kernels of kernels/cpu/fused.py (add + RMSNorm, RoPE, SiLU-and-multiply, KV store), OpenMP
+   over rows, fp32 math. */
+#include <math.h>
+
+#include "common.h"
+#include "silu.h"
+
+/* Each kernel is written once as a macro over the element type and its load/store, then instantiated for the
+   three dtypes, so every inner loop is branch-free and vectorises. */
+#define LD_F32(p, i) ((p)[i])
+#define ST_F32(p, i, v) ((p)[i] = (v))
+#define RND_F32(v) (v)
+#define LD_BF16(p, i) bf16_to_f32((p)[i])
+#define ST_BF16(p, i, v) ((p)[i] = f32_to_bf16(v))
+#define RND_BF16(v) bf16_to_f32(f32_to_bf16(v))
+#define LD_F16(p, i) ((float)(p)[i])
+#define ST_F16(p, i, v) ((p)[i] = (_Float16)(v))
+#define RND_F16(v) ((float)(_Float16)(v))
+
+/* x [T, H] (row stride xs), residual [T, H] contiguous or NULL, weight [H] -> out, sum [T, H] contiguous */
+#define ADD_RMS_NORM(SUF, T, LD, ST, RND)                                                                          \
+static void add_rms_norm_##SUF(const T* x, int64_t xs, const T* res, T* sum, const T* w, T* out, int n, int h, \
+                               float eps, int threads) {                                                       \
+  _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
+  for (int t = 0; t < n; t++) {                                                                                \
+    const T* xr = x + (int64_t)t * xs;                                                                         \
+    T* o = out + (int64_t)t * h;                                                                               \
+    float ss = 0.f;                                                                                            \
+    if (res) {                                                                                                 \
+      const T* r = res + (int64_t)t * h;                                                                       \
+      T* sr = sum + (int64_t)t * h;                                                                            \
+      _Pragma("omp simd reduction(+:ss)")                                                                      \
+      for (int i = 0; i < h; i++) { const float v = RND(LD(r, i) + LD(xr, i)); ST(sr, i, v);     \
+                                    ss += v * v; }                                                             \
+      xr = sr;                                                                                                 \
+    } else {                                                                                                   \
+      _Pragma("omp simd reduction(+:ss)")                                                                      \
+      for (int i = 0; i < h; i++) { const float v = LD(xr, i); ss += v * v; }                                   \
+    }                                                                                                          \
+    const float inv = 1.f / sqrtf(ss / h + eps);                                                               \
+    _Pragma("omp simd")                                                                                        \
+    for (int i = 0; i < h; i++) ST(o, i, LD(w, i) * RND(LD(xr, i) * inv));                        \
+  }                                                                                                            \
+}
+
+/* q [T, Hq, D] (token stride qs), k [T, Hk, D] (token stride ks), heads contiguous; table [P, D] fp32 */
+#define ROPE(SUF, T, LD, ST)                                                                                  \
+static void rope_##SUF(T* q, int64_t qs, int hq, T* k, int64_t ks, int hk, const int64_t* pos,                \
+                       const float* table, int n, int d, int threads) {                                       \
+  const int half = d / 2;                                                                                      \
+  _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
+  for (int t = 0; t < n; t++) {                                                                                \
+    const float* c = table + pos[t] * d;                                                                       \
+    const float* s = c + half;                                                                                 \
+    for (int hh = 0; hh < hq + hk; hh++) {                                                                     \
+      T* x = hh < hq ? q + (int64_t)t * qs + (int64_t)hh * d : k + (int64_t)t * ks + (int64_t)(hh - hq) * d;  \
+      _Pragma("omp simd")                                                                                      \
+      for (int i = 0; i < half; i++) {                                                                         \
+        const float a = LD(x, i), b = LD(x, i + half);                                                         \
+        ST(x, i, a * c[i] - b * s[i]);                                                                         \
+        ST(x, i + half, b * c[i] + a * s[i]);                                                                  \
+      }                                                                                                        \
+    }                                                                                                          \
+  }                                                                                                            \
+}
+
+/* gate, up [T, I] (row strides gs, us) -> out [T, I] contiguous */
+#define SILU_MUL(SUF, T, LD, ST)                                                                              \
+static void silu_mul_##SUF(const T* g, int64_t gs, const T* u, int64_t us, T* out, int n, int m, int threads) { \
+  _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
+  for (int t = 0; t < n; t++) {                                                                                \
+    const T* gr = g + (int64_t)t * gs; const T* ur = u + (int64_t)t * us; T* o = out + (int64_t)t * m;        \
+    _Pragma("omp simd")                                                                                        \
+    for (int i = 0; i < m; i++) ST(o, i, silu_times(LD(gr, i), LD(ur, i)));                                  \
+  }                                                                                                            \
+}
+
+ADD_RMS_NORM(f32, float, LD_F32, ST_F32, RND_F32)
+ADD_RMS_NORM(bf16, uint16_t, LD_BF16, ST_BF16, RND_BF16)
+ADD_RMS_NORM(f16, _Float16, LD_F16, ST_F16, RND_F16)
+ROPE(f32, float, LD_F32, ST_F32)
+ROPE(bf16, uint16_t, LD_BF16, ST_BF16)
+ROPE(f16, _Float16, LD_F16, ST_F16)
+SILU_MUL(f32, float, LD_F32, ST_F32)
+SILU_MUL(bf16, uint16_t, LD_BF16, ST_BF16)
+SILU_MUL(f16, _Float16, LD_F16, ST_F16)
+
+void add_rms_norm(const void* x, int64_t xs, const void* res, void* sum, const void* w, void* out, int n, int h,
+                  float eps, int dtype, int threads) {
+  if (dtype == F32) add_rms_norm_f32(x, xs, res, sum, w, out, n, h, eps, threads);
+  else if (dtype == BF16) add_rms_norm_bf16(x, xs, res, sum, w, out, n, h, eps, threads);
+  else add_rms_norm_f16(x, xs, res, sum, w, out, n, h, eps, threads);
+}
+
+void rope(void* q, int64_t qs, int hq, void* k, int64_t ks, int hk, const int64_t* pos, const float* table,
+          int n, int d, int dtype, int threads) {
+  if (dtype == F32) rope_f32(q, qs, hq, k, ks, hk, pos, table, n, d, threads);
+  else if (dtype == BF16) rope_bf16(q, qs, hq, k, ks, hk, pos, table, n, d, threads);
+  else rope_f16(q, qs, hq, k, ks, hk, pos, table, n, d, threads);
+}
+
+void silu_mul(const void* g, int64_t gs, const void* u, int64_t us, void* out, int n, int m, int dtype,
+              int threads) {
+  if (dtype == F32) silu_mul_f32(g, gs, u, us, out, n, m, threads);
+  else if (dtype == BF16) silu_mul_bf16(g, gs, u, us, out, n, m, threads);
+  else silu_mul_f16(g, gs, u, us, out, n, m, threads);
+}
+
+/* k, v [T, row_bytes] (token strides ks, vs bytes) -> caches viewed as [slots, row_bytes] */
+void kv_store(const char* k, int64_t ks, const char* v, int64_t vs, char* kc, char* vc, const int64_t* slots,
+              int n, int64_t row_bytes, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static) if (n > 64)
+  for (int t = 0; t < n; t++) {
+    memcpy(kc + slots[t] * row_bytes, k + t * ks, row_bytes);
+    memcpy(vc + slots[t] * row_bytes, v + t * vs, row_bytes);
+  }
+}

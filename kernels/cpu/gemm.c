@@ -1,0 +1,160 @@
+/* AMX GEMMs of kernels/cpu/gemm.py (layouts and tiling in its docstring): y = x @ W^T, x and y bf16, W bf16 in
+   the VNNI layout or W4/W8 codes dequantized per pair of column blocks; fp32 accumulation in the tiles. */
+#include <stdlib.h>
+
+#include "amx.h"
+#include "common.h"
+#include "silu.h"
+
+#define M_CHUNK 128  /* rows of x per pass over the weight; a multiple of 32 */
+
+/* x's last M % 16 rows, zero-padded to a [16, K] row tile (NULL when M % 16 == 0); the caller frees it */
+static uint16_t* pad_tail(const uint16_t* x, int M, int K) {
+  const int rows = M % 16;
+  if (rows == 0) return NULL;
+  uint16_t* pad = aligned_alloc(64, (size_t)16 * K * 2);
+  memcpy(pad, x + (int64_t)(M - rows) * K, (size_t)rows * K * 2);
+  memset(pad + (int64_t)rows * K, 0, (size_t)(16 - rows) * K * 2);
+  return pad;
+}
+
+/* y[m_begin:m_end, col:col + 16 nb] (row stride N) = x[m_begin:m_end] @ [b0 | b1]; b0, b1: VNNI blocks [K/2][16]
+   of 16 columns each, nb = 1 (b0 only) or 2; m_begin % 32 == 0; row tiles past M / 16 full ones read xpad.
+   act (nb = 2): y[:, col:col + 16] = silu(x @ b0) * (x @ b1) instead, each product rounded to bf16 first, as the
+   unfused gate/up projections and fused.c's silu_mul compute it. */
+static void amx_rows(const uint16_t* x, const uint16_t* xpad, int M, int K, int m_begin, int m_end,
+                     const uint32_t* b0, const uint32_t* b1, int nb, uint16_t* y, int64_t N, int col, int act) {
+  float c[4][256] __attribute__((aligned(64)));
+  const int64_t xs = (int64_t)K * 2;
+  const int full = M / 16;
+  for (int m0 = m_begin; m0 < m_end; m0 += 32) {
+    const int two = m0 + 16 < m_end;
+    const uint16_t* a0 = m0 / 16 < full ? x + (int64_t)m0 * K : xpad;
+    const uint16_t* a1 = m0 / 16 + 1 < full ? x + (int64_t)(m0 + 16) * K : xpad;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int k0 = 0; k0 < K; k0 += 32) {
+      const int64_t off = (int64_t)(k0 / 2) * 16;
+      _tile_loadd(6, b0 + off, 64);
+      if (nb == 2) _tile_loadd(7, b1 + off, 64);
+      _tile_loadd(4, a0 + k0, xs);
+      _tile_dpbf16ps(0, 4, 6);
+      if (nb == 2) _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, a1 + k0, xs);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nb == 2) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    if (nb == 2) _tile_stored(1, c[1], 64);
+    if (two) { _tile_stored(2, c[2], 64); if (nb == 2) _tile_stored(3, c[3], 64); }
+    for (int h = 0; h <= two; h++) {
+      const int r0 = m0 + 16 * h, rows = M - r0 < 16 ? M - r0 : 16;
+      for (int i = 0; i < rows; i++) {
+        uint16_t* out = y + (int64_t)(r0 + i) * N + col;
+        if (act) {
+          const float* g = c[2 * h] + i * 16;
+          const float* u = c[2 * h + 1] + i * 16;
+          float v[16] __attribute__((aligned(64)));
+          #pragma omp simd
+          for (int j = 0; j < 16; j++)
+            v[j] = silu_times(bf16_to_f32(f32_to_bf16(g[j])), bf16_to_f32(f32_to_bf16(u[j])));
+          _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(v)));
+        } else if (nb == 2) {
+          const __m512 lo = _mm512_load_ps(c[2 * h] + i * 16), hi = _mm512_load_ps(c[2 * h + 1] + i * 16);
+          _mm512_storeu_si512((__m512i*)out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        } else {
+          _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[2 * h] + i * 16)));
+        }
+      }
+    }
+  }
+}
+
+/* y [M, N] bf16 = x [M, K] bf16 @ W^T, W in the VNNI layout with `ws` uint32 from one block to the next; act: W's
+   blocks alternate gate, up and y [M, N / 2] = silu(gate) * up */
+void gemm_bf16(const uint16_t* x, int M, int K, const uint32_t* w, int64_t ws, int N, uint16_t* y, int threads,
+               int act) {
+  const int nblocks = N / 16, pairs = (nblocks + 1) / 2;
+  const int64_t yn = act ? N / 2 : N;
+  uint16_t* xpad = pad_tail(x, M, K);
+  #pragma omp parallel num_threads(threads)
+  {
+    tiles_on();
+    for (int mc = 0; mc < M; mc += M_CHUNK) {
+      const int mend = mc + M_CHUNK < M ? mc + M_CHUNK : M;
+      #pragma omp for schedule(static) nowait  /* the same pairs each chunk: their weights stay in L2 */
+      for (int p = 0; p < pairs; p++) {
+        const uint32_t* b0 = w + 2 * p * ws;
+        const int nb = 2 * p + 1 < nblocks ? 2 : 1;
+        amx_rows(x, xpad, M, K, mc, mend, b0, nb == 2 ? b0 + ws : b0, nb, y, yn, act ? 16 * p : 32 * p, act);
+      }
+    }
+    _tile_release();
+  }
+  free(xpad);
+}
+
+/* one block's codes -> its VNNI block out [K/2][16] (bf16 of k = 2r in the low half, 2r + 1 in the high half) */
+static void dequant_block(const void* codes, const float* qp, int K, int gs, int bits, uint32_t* out) {
+  const int pairs_per_group = gs / 2;
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 s = _mm512_setzero_ps(), z = s;
+  for (int r = 0; r < K / 2; r++) {
+    if (r % pairs_per_group == 0) {
+      const float* p = qp + (int64_t)(r / pairs_per_group) * 32;
+      s = _mm512_loadu_ps(p);
+      z = _mm512_loadu_ps(p + 16);
+    }
+    __m512i v, lo, hi;
+    if (bits == 4) {
+      v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)codes + (int64_t)r * 16)));
+      lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+      hi = _mm512_srli_epi32(v, 4);
+    } else {
+      v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)codes + (int64_t)r * 16)));
+      lo = _mm512_and_si512(v, _mm512_set1_epi32(255));
+      hi = _mm512_srli_epi32(v, 8);
+    }
+    const __m512 wlo = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(lo), z), s);
+    const __m512 whi = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(hi), z), s);
+    /* bf16 [wlo 0..15 | whi 0..15] -> pairs (wlo n, whi n) */
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(whi, wlo);
+    _mm512_store_si512((__m512i*)(out + (int64_t)r * 16), _mm512_permutexvar_epi16(interleave, halves));
+  }
+}
+
+/* the whole quantized weight (cs bytes of codes, qs floats of qparams from one block to the next) -> w in the
+   bf16 VNNI layout, contiguous */
+void dequant_vnni(const void* codes, int64_t cs, const float* qp, int64_t qs, int N, int K, int gs, int bits,
+                  uint32_t* w, int threads) {
+  const int64_t block = (int64_t)(K / 2) * 16;
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int b = 0; b < N / 16; b++)
+    dequant_block((const uint8_t*)codes + b * cs, qp + b * qs, K, gs, bits, w + b * block);
+}
+
+/* y = x [M, K] bf16 @ dequantize(W)^T (block strides and act as dequant_vnni and gemm_bf16): each pair of column
+   blocks is dequantized into an L2 buffer, then every row of x runs on it */
+void qgemm(const uint16_t* x, int M, int K, const void* codes, int64_t cs, const float* qp, int64_t qs, int N, int gs,
+           int bits, uint16_t* y, int threads, int act) {
+  const int nblocks = N / 16, pairs = (nblocks + 1) / 2;
+  const int64_t block = (int64_t)(K / 2) * 16, yn = act ? N / 2 : N;
+  uint16_t* xpad = pad_tail(x, M, K);
+  #pragma omp parallel num_threads(threads)
+  {
+    tiles_on();
+    uint32_t* buf = aligned_alloc(64, (size_t)block * 2 * 4);
+    #pragma omp for schedule(static)
+    for (int p = 0; p < pairs; p++) {
+      const int nb = 2 * p + 1 < nblocks ? 2 : 1;
+      for (int j = 0; j < nb; j++)
+        dequant_block((const uint8_t*)codes + (2 * p + j) * cs, qp + (2 * p + j) * qs, K, gs, bits, buf + j * block);
+      amx_rows(x, xpad, M, K, 0, M, buf, buf + block, nb, y, yn, act ? 16 * p : 32 * p, act);
+    }
+    free(buf);
+    _tile_release();
+  }
+  free(xpad);
+}
