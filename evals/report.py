@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from quantkit.evals.bootstrap import Interval
+from quantkit.evals.bootstrap import Interval, interval_text
 
 
 @dataclass
@@ -46,10 +46,10 @@ def _fmt(x: float) -> str:
 
 def _delta_text(m: MetricResult) -> str:
     d = m.delta
-    text = f"{d.value:+.4g} [{d.low:+.4g}, {d.high:+.4g}]"
+    text = interval_text(d.value, d.low, d.high)
     if m.delta_pct is not None and m.unit == "":
         p = m.delta_pct
-        text += f" ({p.value:+.2f}% [{p.low:+.2f}, {p.high:+.2f}])"
+        text += f" ({interval_text(p.value, p.low, p.high, '.2f', '%')})"
     return text
 
 
@@ -103,7 +103,8 @@ def chart(report: Report, path: Path) -> None:
     for ax, (unit, items) in zip(axes[:, 0], panels.items()):
         names = [n for n, _ in items]
         values = [iv.value for _, iv in items]
-        err = [[iv.value - iv.low for _, iv in items], [iv.high - iv.value for _, iv in items]]
+        err = [[0.0 if iv.low is None else iv.value - iv.low for _, iv in items],
+               [0.0 if iv.high is None else iv.high - iv.value for _, iv in items]]
         ax.barh(range(len(items)), values, xerr=err, color="#4c72b0", ecolor="black", capsize=3)
         ax.set_yticks(range(len(items)), names)
         ax.axvline(0, color="gray", linewidth=0.8)

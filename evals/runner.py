@@ -251,7 +251,7 @@ class _Evaluator:
 
         base, candv = scale * float(agg(list(b_values))), scale * float(agg(list(c_values)))
         delta = bs.bootstrap(stat, b_arr, c_arr, seed=self.spec.seed)
-        pct = None if base == 0 else bs.Interval(100 * (candv / base - 1), 100 * ((base + delta.low) / base - 1),
-                                                 100 * ((base + delta.high) / base - 1))
+        pct = None if base == 0 else bs.Interval(100 * (candv / base - 1), *(
+            None if end is None else 100 * ((base + end) / base - 1) for end in (delta.low, delta.high)))
         return MetricResult(task, metric, base, candv, delta, pct, higher, "points" if binary else "",
                             len(b_values), "lm-eval")

@@ -303,7 +303,9 @@ def eval_rows(report: dict) -> list[dict]:
 
 def _interval(iv: dict, suffix: str = "") -> str:
     """{value, low, high} -> '+1.23 [+0.5, +2.0]' (4 significant digits, signed)."""
-    return f"{iv['value']:+.4g}{suffix} [{iv['low']:+.4g}{suffix}, {iv['high']:+.4g}{suffix}]"
+    from quantkit.evals.bootstrap import interval_text
+
+    return interval_text(iv["value"], iv["low"], iv["high"], suffix=suffix)
 
 
 def _num(x) -> str:

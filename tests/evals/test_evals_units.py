@@ -156,6 +156,13 @@ def test_bootstrap_identical_is_zero_width_and_pairing_removes_row_variance():
     assert (iv.high - iv.low) == pytest.approx(2 * 1.96 * se, rel=0.15)
 
 
+def test_one_unit_has_no_interval_and_says_so():
+    one = bs.bootstrap(lambda x, y: y.mean(-1) - x.mean(-1), np.array([1.0]), np.array([3.143]))
+    assert one == bs.Interval(pytest.approx(2.143), None, None)
+    assert bs.interval_text(one.value, one.low, one.high) == "+2.143 (one unit: no interval)"
+    assert bs.interval_text(1.5, 0.25, 2.0, suffix="%") == "+1.5% [+0.25%, +2%]"
+
+
 # ---------------------------------------------------------------- gate
 
 
