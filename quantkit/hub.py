@@ -33,7 +33,7 @@ def push(
     from huggingface_hub import CommitOperationAdd, HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
-    from quantkit.card import is_generated, read_meta, write_card
+    from quantkit.card import is_generated, read_meta, render_card, write_card
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -47,10 +47,14 @@ def push(
             "or run `hf auth login`"
         )
     readme = folder / "README.md"
-    if not readme.is_file() or is_generated(readme):  # a card someone wrote by hand is uploaded as it is
-        write_card(folder, repo_id)
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and not _hidden(p.relative_to(folder)))
+    # a card someone wrote by hand is uploaded as it is; a generated one is rendered for this repo and written into
+    # the folder only once the commit landed, so a failed push leaves the folder as it was
+    card = render_card(folder, repo_id) if not readme.is_file() or is_generated(readme) else None
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not _hidden(p.relative_to(folder))
+                   and not (card is not None and p == readme))
     operations = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=p) for p in files]
+    if card is not None:
+        operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode()))
     endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     api = HfApi(endpoint=endpoint, token=token)
     try:
@@ -70,6 +74,8 @@ def push(
             f"cannot reach the Hub at {endpoint} ({type(e).__name__}: {e}): check the network connection "
             "and HF_ENDPOINT; nothing was uploaded"
         ) from e
+    if card is not None:
+        write_card(folder, text=card)
     return info.commit_url
 
 

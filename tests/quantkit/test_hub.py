@@ -112,6 +112,15 @@ def test_bad_token_is_one_clear_line(hub, checkpoint, monkeypatch):
     assert hub.repos == {}
 
 
+def test_a_failed_push_leaves_the_folder_as_it_was(hub, checkpoint, monkeypatch):
+    (checkpoint / "README.md").unlink()
+    before = {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()}
+    monkeypatch.setenv("HF_TOKEN", "hf_expired")
+    with pytest.raises(QuantkitError, match="the Hub rejected the token"):
+        push(checkpoint, "alice/tiny")
+    assert {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()} == before  # no README.md left behind
+
+
 def test_no_write_access_is_one_clear_line(hub, checkpoint):
     bob = hub.add_repo("bob/model", files={"README.md": b"bob's"})
     with pytest.raises(QuantkitError) as e:
