@@ -47,9 +47,15 @@ GPUS = {
 }
 
 
+DEFAULT_GPU = "h100-80gb"  # the card a plan is made for when none is named (the most common serving card)
+
+
 def gpu_from_args(name: Optional[str], memory_gb: Optional[float], bandwidth_gbs: Optional[float],
                   tflops: Optional[float]) -> Gpu:
-    """A card from the table, with any of the three figures overridden; or a custom card from all three."""
+    """A card from the table, with any of the three figures overridden; or a custom card from all three; with
+    nothing given, the DEFAULT_GPU."""
+    if name is None and memory_gb is None and bandwidth_gbs is None and tflops is None:
+        name = DEFAULT_GPU
     if name is not None:
         if name not in GPUS:
             raise QuantkitError(f"--gpu {name}: unknown card; use one of {', '.join(GPUS)} or --memory-gb/--bandwidth-gbs/--tflops")

@@ -13,7 +13,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def plan(
         model: Optional[str] = typer.Argument(None, help="model folder, .gguf or cached Hub id (default: bundled)"),
-        gpu: Optional[str] = typer.Option(None, "--gpu", help="h100-80gb | h200 | a100-80gb | a100-40gb | l4 | a10g | rtx-4090"),
+        gpu: Optional[str] = typer.Option(None, "--gpu", help="h100-80gb | h200 | a100-80gb | a100-40gb | l4 | a10g | rtx-4090 (default h100-80gb unless a custom card is given)"),
         memory_gb: Optional[float] = typer.Option(None, "--memory-gb", help="card memory (GB) for a custom card"),
         bandwidth_gbs: Optional[float] = typer.Option(None, "--bandwidth-gbs", help="memory bandwidth (GB/s)"),
         tflops: Optional[float] = typer.Option(None, "--tflops", help="dense fp16 peak (TFLOP/s)"),
@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def tune(
         url: str = typer.Option("http://127.0.0.1:8000", "--url", help="base URL of the live server"),
-        min_user_tps: float = typer.Option(..., "--min-user-tps", help="per-user decode tokens/s floor"),
+        min_user_tps: float = typer.Option(10.0, "--min-user-tps", help="per-user decode tokens/s floor (default 10: faster than people read)"),
         model: Optional[str] = typer.Option(None, "--model"),
         tokenizer: Optional[str] = typer.Option(None, "--tokenizer"),
         dataset: str = typer.Option("sharegpt", "--dataset"),

@@ -128,6 +128,7 @@ def test_cards_and_folder_quantization():
     assert gpu_from_args("h200", None, None, None) == GPUS["h200"]
     assert gpu_from_args("l4", 48, None, None).memory_gb == 48
     assert gpu_from_args(None, 10, 100, 5) == Gpu("custom", 10, 100, 5)
+    assert gpu_from_args(None, None, None, None) == GPUS["h100-80gb"]  # bare `quantkit plan` plans for an H100
     with pytest.raises(QuantkitError, match="--memory-gb"):
         gpu_from_args(None, 10, None, None)
     with pytest.raises(QuantkitError, match="unknown card"):
