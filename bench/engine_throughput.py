@@ -43,7 +43,7 @@ def run(llm, prompts, output_len: int) -> tuple[list, dict]:
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine = llm.engine
-    steps0 = engine.num_steps
+    steps0 = engine.stats()["num_steps"]
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -55,8 +55,8 @@ def run(llm, prompts, output_len: int) -> tuple[list, dict]:
         "cpu_s": cpu,  # CPU seconds of this process, all threads: the work, whatever else shares the machine
         "output_tok_per_cpu_s": generated / cpu,
         "total_tok_s": (generated + sum(map(len, prompts))) / elapsed,
-        "steps": engine.num_steps - steps0,
-        "ms_per_step": 1000 * elapsed / max(1, engine.num_steps - steps0),
+        "steps": engine.stats()["num_steps"] - steps0,
+        "ms_per_step": 1000 * elapsed / max(1, engine.stats()["num_steps"] - steps0),
         "preemptions": stats["num_preemptions"],
         "kv_slot_utilization_mean": stats["kv_slot_utilization_mean"],
         "kv_slot_utilization_min": stats["kv_slot_utilization_min"],

@@ -2,8 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
 POST /tokenize, POST /detokenize, GET /version. Anything else is a 404 in the OpenAI error shape.
-Every error body is {"error": {"message", "type", "param", "code"}}; with an API key, /v1/* needs
-`Authorization: Bearer <key>` (401 otherwise).
+Every error body is {"error": {"message", "type", "param", "code"}}; a request validation.py refuses is a 400
+naming the field. With an API key, /v1/* needs `Authorization: Bearer <key>` (401 otherwise).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from quantkit.serve.metrics import ServerMetrics
 from quantkit.serve.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request,
 )
+from quantkit.serve.validation import InvalidRequest, check_token_ids
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -60,8 +61,6 @@ async def _json_body(raw_request: Request):
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
 
 
-
-
 def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api_key: str | None = None,
               chat_template: str | None = None, model_info: dict[str, str] | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an AsyncLLMEngine) under the name `served_model_name`.
@@ -79,6 +78,10 @@ def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api
     @app.exception_handler(APIError)
     async def _api_error(_, error: APIError):
         return error_response(error)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid_request(_, error: InvalidRequest):
+        return error_response(APIError(400, str(error), error.param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(raw_request: Request, error: StarletteHTTPException):
@@ -135,7 +138,7 @@ def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api
         if request.messages is not None:
             chat = ChatCompletionRequest(messages=request.messages,
                                          add_generation_prompt=request.add_generation_prompt)
-            token_ids = chat_prompt(serving, chat).token_ids
+            token_ids, _ = chat_prompt(serving, chat)
         else:
             token_ids = tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
         return {"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids, "token_strs": None}
@@ -144,10 +147,7 @@ def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api
     async def detokenize(raw_request: Request):
         request = parse_request(DetokenizeRequest, await _json_body(raw_request))
         check_model(serving, request.model)
-        bad = [t for t in request.tokens if not 0 <= t < serving.vocab_size]
-        if bad:
-            raise APIError(400, f"tokens: token id {bad[0]} is out of vocabulary (size {serving.vocab_size})",
-                           "tokens")
+        check_token_ids(request.tokens, serving.vocab_size, "tokens")
         return {"prompt": tokenizer.decode(request.tokens)}
 
     @app.get("/version")

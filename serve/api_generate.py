@@ -26,19 +26,11 @@ from quantkit.serve.protocol import (
     SamplingFields, UsageInfo,
 )
 from quantkit.serve.sampling_params import SamplingParams
+from quantkit.serve.validation import ValidRequest, fitting_max_tokens, validate_request
 
 logger = logging.getLogger("quantkit.serve.api")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-TOO_LONG = (
-    "This model's maximum context length is {max_model_len} tokens. However, you requested {max_tokens} output "
-    "tokens and your prompt contains at least {n_prompt} input tokens, for a total of at least {total} tokens. "
-    "Please reduce the length of the input prompt or the number of requested output tokens."
-)
-PROMPT_TOO_LONG = (
-    "This model's maximum context length is {max_model_len} tokens. However, your request has {n_prompt} input "
-    "tokens. Please reduce the length of the input messages."
-)
 
 
 @dataclass
@@ -55,13 +47,23 @@ class Serving:
     def __post_init__(self):
         self.token_texts = TokenTexts(self.tokenizer)
         self.token_ids_as_texts = TokenTexts(self.tokenizer, as_ids=True)
-        self.vocab_size = len(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)  # the ids the tokenizer decodes
+        self.prompt_vocab_size = min(self.vocab_size, self.engine.vocab_size)  # ... that the model embeds too
+
+    def validated(self, token_ids: list[int], params: SamplingParams) -> ValidRequest:
+        """The one check of an engine request (validation.py), against this server's limits. InvalidRequest becomes
+        a 400 naming the field (api.py)."""
+        return validate_request(token_ids, params, self.prompt_vocab_size, self.max_model_len)
 
 
 @dataclass
 class Prompt:
-    token_ids: list[int]
+    request: ValidRequest
     text: str
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
 
 
 # ---- request -> prompts and sampling parameters --------------------------------------------------------------
@@ -77,8 +79,9 @@ def log_unknown_fields(request: SamplingFields) -> None:
         logger.info("ignoring unknown request fields: %s", ", ".join(sorted(request.model_extra)))
 
 
-def completion_prompts(serving: Serving, request: CompletionRequest) -> list[Prompt]:
-    """str | [str] | [int] | [[int]] -> one Prompt per prompt (text prompts tokenized with special tokens)."""
+def completion_prompts(serving: Serving, request: CompletionRequest, params: SamplingParams) -> list[Prompt]:
+    """str | [str] | [int] | [[int]] -> one validated Prompt per prompt (text prompts tokenized with special
+    tokens; token ids decoded once they are known to be in the vocabulary)."""
     raw = request.prompt
     if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
         raw = [raw]
@@ -86,21 +89,15 @@ def completion_prompts(serving: Serving, request: CompletionRequest) -> list[Pro
         raise APIError(400, "prompt: must not be empty", "prompt")
     prompts = []
     for item in raw:
-        if isinstance(item, str):
-            prompts.append(Prompt(serving.tokenizer(item).input_ids, item))
-            continue
-        bad = [t for t in item if not 0 <= t < serving.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt: token id {bad[0]} is out of vocabulary (size {serving.vocab_size})",
-                           "prompt")
-        prompts.append(Prompt(list(item), serving.tokenizer.decode(item)))
-    if any(not p.token_ids for p in prompts):
-        raise APIError(400, "prompt: must contain at least one token", "prompt")
+        token_ids = serving.tokenizer(item).input_ids if isinstance(item, str) else item
+        valid = serving.validated(token_ids, params)
+        prompts.append(Prompt(valid, item if isinstance(item, str) else serving.tokenizer.decode(item)))
     return prompts
 
 
-def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Prompt:
-    """Messages rendered with the chat template (the tokenizer's or --chat-template), then tokenized as is."""
+def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> tuple[list[int], str]:
+    """Messages rendered with the chat template (the tokenizer's or --chat-template), then tokenized as is:
+    (token ids, text)."""
     template = serving.chat_template or getattr(serving.tokenizer, "chat_template", None)
     if not template:
         raise APIError(400, "This model has no chat template: start the server with --chat-template FILE, "
@@ -118,29 +115,13 @@ def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> Prompt:
     token_ids = serving.tokenizer(text, add_special_tokens=False).input_ids
     if not token_ids:
         raise APIError(400, "messages: render to an empty prompt", "messages")
-    return Prompt(token_ids, text)
-
-
-def fit_max_tokens(serving: Serving, n_prompt: int, requested: int | None, default: int | None) -> int:
-    """The output budget of one prompt; 400 (vLLM's exact message) when it does not fit max_model_len.
-
-    default None means "what fits" (chat)."""
-    limit = serving.max_model_len
-    if requested is None and default is None:
-        if n_prompt >= limit:
-            raise APIError(400, PROMPT_TOO_LONG.format(max_model_len=limit, n_prompt=n_prompt), "messages")
-        return limit - n_prompt
-    max_tokens = requested if requested is not None else default
-    if n_prompt + max_tokens > limit:
-        message = TOO_LONG.format(max_model_len=limit, max_tokens=max_tokens, n_prompt=n_prompt,
-                                  total=n_prompt + max_tokens)
-        raise APIError(400, message, "max_tokens")
-    return max_tokens
+    return token_ids, text
 
 
 def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None) -> SamplingParams:
-    params = SamplingParams(
+    """The request's sampling fields as SamplingParams (checked with the prompt by Serving.validated)."""
+    return SamplingParams(
         n=request.n,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
@@ -159,11 +140,6 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
     )
-    try:
-        return params.validate()
-    except ValueError as e:
-        message = str(e)
-        raise APIError(400, message, message.split(" ", 1)[0]) from None
 
 
 def _texts(serving: Serving, request: SamplingFields) -> TokenTexts:
@@ -209,22 +185,21 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 class Generation:
     """The engine requests of one API request; abandoning the iteration aborts the unfinished ones."""
 
-    def __init__(self, serving: Serving, request_id: str, prompts: list[Prompt], params: SamplingParams):
+    def __init__(self, serving: Serving, request_id: str, prompts: list[Prompt]):
         self.serving = serving
         self.prompts = prompts
-        self.params = params
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.trackers = [RequestTracker(serving.metrics) for _ in prompts]
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         engine = self.serving.engine
-        streams = [engine.generate(rid, p.token_ids, self.params, prompt=p.text)
+        streams = [engine.generate_validated(rid, p.request, prompt=p.text)
                    for rid, p in zip(self.engine_ids, self.prompts)]
         try:
             async for i, out in _merge(streams):
                 self.trackers[i].observe(out)
                 yield i, out
-        except ValueError as e:  # the engine refused the request (add_request validates it)
+        except ValueError as e:  # the engine refused the request (its id is in use)
             raise APIError(400, str(e)) from None
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
@@ -283,13 +258,13 @@ def prepare_completion(serving: Serving, request: CompletionRequest) -> tuple[st
     log_unknown_fields(request)
     if request.suffix is not None:
         raise APIError(400, "suffix: is not supported", "suffix")
-    prompts = completion_prompts(serving, request)
     requested = request.requested_max_tokens()
-    budgets = [fit_max_tokens(serving, len(p.token_ids), requested, COMPLETIONS_DEFAULT_MAX_TOKENS) for p in prompts]
-    params = sampling_params(request, budgets[0], request.logprobs,
-                             request.logprobs if request.echo and request.logprobs is not None else None)
+    prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+    params = sampling_params(request, COMPLETIONS_DEFAULT_MAX_TOKENS if requested is None else requested,
+                             request.logprobs, prompt_logprobs)
+    prompts = completion_prompts(serving, request, params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    return request_id, Generation(serving, request_id, prompts, params)
+    return request_id, Generation(serving, request_id, prompts)
 
 
 class _CompletionChoiceState:
@@ -388,12 +363,13 @@ def prepare_chat(serving: Serving, request: ChatCompletionRequest) -> tuple[str,
     log_unknown_fields(request)
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
-    prompt = chat_prompt(serving, request)
-    max_tokens = fit_max_tokens(serving, len(prompt.token_ids), request.requested_max_tokens(), None)
+    token_ids, text = chat_prompt(serving, request)
+    requested = request.requested_max_tokens()
+    max_tokens = fitting_max_tokens(len(token_ids), serving.max_model_len) if requested is None else requested
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, max_tokens, logprobs, None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    return request_id, Generation(serving, request_id, [prompt], params)
+    return request_id, Generation(serving, request_id, [Prompt(serving.validated(token_ids, params), text)])
 
 
 def _chat_logprobs(serving: Serving, request: ChatCompletionRequest, completion, start: int):

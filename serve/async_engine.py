@@ -1,7 +1,8 @@
 """What the HTTP API drives: an engine behind asyncio streams, in this process or in its own.
 
-EngineFrontend keeps the per-request streams: `generate` yields cumulative RequestOutputs from an asyncio.Queue of
-the caller's event loop; a step's outputs reach each loop in one wake-up. Two back ends:
+EngineFrontend keeps the per-request streams: `generate` validates a request (validation.py) and yields cumulative
+RequestOutputs from an asyncio.Queue of the caller's event loop; `generate_validated` is the same for a request
+validated already (the HTTP API's). A step's outputs reach each loop in one wake-up. Two back ends:
   AsyncLLMEngine: the LLMEngine stepped by a background thread of this process. Calls from any thread (add,
     abort, shutdown) are queued and applied by the engine thread between steps, so an abort frees its blocks
     before the next step runs. Simple and embeddable, but the engine shares the GIL with the event loop.
@@ -14,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
-from quantkit.serve.engine import LLMEngine, check_request
+from quantkit.serve.engine import LLMEngine
 from quantkit.serve.outputs import RequestOutput
 from quantkit.serve.sampling_params import SamplingParams
+from quantkit.serve.validation import ValidRequest, validate_request
 
 log = logging.getLogger("quantkit.serve")
 
@@ -46,7 +49,7 @@ class EngineFrontend:
         self.errored: BaseException | None = None
         self._stats = stats
 
-    def _send_add(self, request_id: str, ids: list[int], params: SamplingParams, prompt: str | None) -> None:
+    def _send_add(self, request_id: str, request: ValidRequest, prompt: str | None) -> None:
         raise NotImplementedError
 
     def _send_abort(self, request_id: str) -> None:
@@ -67,22 +70,28 @@ class EngineFrontend:
     # ---- requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes. ValueError (before any output) for a bad request;
-        EngineDeadError when the engine has failed. Leaving the iteration early aborts the request."""
-        params = params or SamplingParams()
+        """Cumulative outputs of one request until it finishes. InvalidRequest (a ValueError, before any output) for
+        a bad request; otherwise as generate_validated."""
+        request = validate_request(prompt_token_ids, params or SamplingParams(), self.vocab_size, self.max_model_len)
+        async with aclosing(self.generate_validated(request_id, request, prompt)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def generate_validated(self, request_id: str, request: ValidRequest,
+                                 prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of a request validate_request passed, until it finishes. ValueError when the id is in
+        use; EngineDeadError when the engine has failed. Leaving the iteration early aborts the request."""
         if self.errored is not None:
             raise EngineDeadError(f"the engine failed: {self.errored!r}")
         if self._stopping:
             raise EngineDeadError("the engine is shutting down")
-        ids = list(prompt_token_ids)
-        check_request(ids, params, self.vocab_size, self.max_model_len)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, queue)
-        self._send_add(request_id, ids, params, prompt)
+        self._send_add(request_id, request, prompt)
         finished = False
         try:
             while True:
@@ -161,8 +170,8 @@ class AsyncLLMEngine(EngineFrontend):
     def _alive(self) -> bool:
         return self._thread.is_alive()
 
-    def _send_add(self, request_id: str, ids: list[int], params: SamplingParams, prompt: str | None) -> None:
-        self._submit(lambda: self._add_now(request_id, ids, params, prompt))
+    def _send_add(self, request_id: str, request: ValidRequest, prompt: str | None) -> None:
+        self._submit(lambda: self._add_now(request_id, request, prompt))
 
     def _send_abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort_now(request_id))
@@ -180,10 +189,10 @@ class AsyncLLMEngine(EngineFrontend):
             self._ops.append(op)
         self._wake.set()
 
-    def _add_now(self, request_id: str, ids: list[int], params: SamplingParams, prompt: str | None) -> None:
+    def _add_now(self, request_id: str, request: ValidRequest, prompt: str | None) -> None:
         try:
-            self.engine.add_request(request_id, ids, params, prompt=prompt)
-        except ValueError as e:  # e.g. the id is still in use by an unfinished request
+            self.engine.add_request(request_id, request, prompt=prompt)
+        except ValueError as e:  # the id is still in use by an unfinished request
             self._close(request_id, e)
 
     def _abort_now(self, request_id: str) -> None:

@@ -5,7 +5,7 @@ They share no GIL, so neither waits for the other, and the child's OpenMP thread
 (on 2 cores the engine step ran 1.7x faster than with passive waits, which a thread inside the server needed).
 
 Wire: one socketpair, pickled tuples (multiprocessing.connection framing).
-  server -> child: ("add", request_id, token_ids, SamplingParams, prompt) | ("abort", request_id)
+  server -> child: ("add", request_id, ValidRequest, prompt) | ("abort", request_id)
                    | ("shutdown", abort_inflight)
   child -> server: ("ready", vocab_size, max_model_len, stats) | ("failed", message)   (once, at start)
                    ("step", [RequestOutput], stats) after every step | ("stats", stats) when it goes idle
@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from quantkit.errors import QuantkitError
 from quantkit.serve.async_engine import _END, EngineDeadError, EngineFrontend
 from quantkit.serve.config import EngineConfig
-from quantkit.serve.sampling_params import SamplingParams
+from quantkit.serve.validation import ValidRequest
 
 log = logging.getLogger("quantkit.serve")
 
@@ -81,8 +81,8 @@ class EngineProcess(EngineFrontend):
     def _alive(self) -> bool:
         return self._proc.poll() is None
 
-    def _send_add(self, request_id: str, ids: list[int], params: SamplingParams, prompt: str | None) -> None:
-        self._send("add", request_id, ids, params, prompt)
+    def _send_add(self, request_id: str, request: ValidRequest, prompt: str | None) -> None:
+        self._send("add", request_id, request, prompt)
 
     def _send_abort(self, request_id: str) -> None:
         self._close(request_id, _END)  # later outputs of this id find no stream and are dropped
@@ -168,7 +168,7 @@ def serve_forever(engine, conn: Connection) -> None:
                 msg = conn.recv()
                 if msg[0] == "add":
                     try:
-                        engine.add_request(msg[1], msg[2], msg[3], prompt=msg[4])
+                        engine.add_request(msg[1], msg[2], prompt=msg[3])
                     except ValueError as e:
                         conn.send(("refused", msg[1], str(e)))
                 elif msg[0] == "abort":

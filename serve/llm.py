@@ -10,6 +10,7 @@ from quantkit.serve.config import EngineConfig
 from quantkit.serve.engine import LLMEngine
 from quantkit.serve.outputs import RequestOutput
 from quantkit.serve.sampling_params import SamplingParams
+from quantkit.serve.validation import validate_request
 
 ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 
@@ -63,23 +64,24 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+        """Run every prompt to completion; outputs in prompt order. InvalidRequest (a ValueError) for a bad one,
+        before any runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        requests = [validate_request(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, p,
+                                     engine.vocab_size, engine.max_model_len) for prompt, p in zip(prompts, params)]
         order = []
-        for prompt, p in zip(prompts, params):
+        for prompt, request in zip(prompts, requests):
             rid = f"offline-{next(self._ids)}"
-            if isinstance(prompt, str):
-                self.engine.add_request(rid, self.tokenizer.encode(prompt), p, prompt=prompt)
-            else:
-                self.engine.add_request(rid, list(prompt), p)
+            engine.add_request(rid, request, prompt=prompt if isinstance(prompt, str) else None)
             order.append(rid)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(order):
-            for out in self.engine.step():
+            for out in engine.step():
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in order]

@@ -1,6 +1,7 @@
 """Per-request sampling parameters (the fields and defaults of vLLM's SamplingParams).
 
-`validate()` raises ValueError with one clear line; the HTTP API turns it into a 400 BadRequestError.
+`validate()` raises ValueError with one clear line that starts with the field's name; validate_request
+(validation.py) calls it as part of the one check of a request, and the HTTP API turns it into a 400 BadRequestError.
 """
 
 from __future__ import annotations

@@ -50,10 +50,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked child whose blocks are already set up."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def add_forked(self, parent: Sequence, child: Sequence) -> None:
+        """A child of a forking parent: running on the parent's computed blocks (a partial last block copied), or
+        at the head of the queue to recompute its prompt when no block is free for the copy."""
+        if self.bm.fork(parent, child):
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            self.waiting.appendleft(child)
 
     def remove(self, seq: Sequence) -> None:
         """Finished or aborted: out of the queues, blocks back to the pool now."""

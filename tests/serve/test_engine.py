@@ -12,8 +12,9 @@ import torch
 
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig
 from quantkit.serve.config import EngineConfig
-from quantkit.serve.engine import LLMEngine, context_length_message
+from quantkit.serve.engine import LLMEngine
 from quantkit.serve.sampling_params import SamplingParams
+from quantkit.serve.validation import context_length_message, validate_request
 from tests.conftest import tiny_hf_config
 
 EOS = 2  # the bundled tokenizer's <|im_end|>
@@ -65,10 +66,15 @@ def _dense_greedy(model, prompt, max_tokens):
     return out
 
 
+def add(engine, request_id, prompt, params):
+    """Queue a request the way the entry points do: validated first, then handed to the engine."""
+    engine.add_request(request_id, validate_request(prompt, params, engine.vocab_size, engine.max_model_len))
+
+
 def run_all(engine, prompts, params):
     params = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", p, sp)
+        add(engine, f"r{i}", p, sp)
     final, steps = {}, 0
     while engine.has_unfinished():
         for out in engine.step():
@@ -139,7 +145,7 @@ def test_abort_and_finish_free_blocks_in_the_same_step(tiny, tokenizer):
     engine = tiny_engine(tiny, tokenizer, enable_prefix_caching=False)
     prompts = random_prompts(3, seed=5)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=1 if i == 2 else 10))
+        add(engine, f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=1 if i == 2 else 10))
     outs = {o.request_id: o for o in engine.step()}
     assert outs["r2"].finished  # max_tokens=1: done at its first token, blocks already back
     held = {s.request.request_id: len(s.block_table) for s in engine.scheduler.running}
@@ -169,7 +175,7 @@ def test_stop_strings_and_ids_never_leak_into_streamed_text(tiny, tokenizer):
     stop = text[len(text) // 2: len(text) // 2 + 3]
     assert len(stop) == 3
     engine = tiny_engine(tiny, tokenizer)
-    engine.add_request("s", prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=40, stop=[stop]))
+    add(engine, "s", prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=40, stop=[stop]))
     seen = []
     while engine.has_unfinished():
         seen += [o.outputs[0] for o in engine.step()]
@@ -188,7 +194,7 @@ def test_stop_strings_and_ids_never_leak_into_streamed_text(tiny, tokenizer):
 def test_n_forks_share_the_prompt_and_match_single_seeded_runs(tiny, tokenizer):
     prompt = random_prompts(1, seed=7, shared=0)[0][:10] + [5] * 9  # 19 tokens: 4 full blocks + 3 in a 5th
     engine = tiny_engine(tiny, tokenizer)
-    engine.add_request("n", prompt, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8))
+    add(engine, "n", prompt, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8))
     engine.step()
     seqs = engine.requests["n"].seqs
     assert len(seqs) == 3
@@ -221,19 +227,19 @@ def test_max_tokens_none_runs_to_max_model_len(tiny, tokenizer):
 def test_bad_requests_are_refused(tiny, tokenizer):
     engine = tiny_engine(tiny, tokenizer)
     with pytest.raises(ValueError) as e:
-        engine.add_request("a", [5] * 250, SamplingParams(max_tokens=10))
+        add(engine, "a", [5] * 250, SamplingParams(max_tokens=10))
     assert str(e.value) == context_length_message(256, 10, 250)
     assert str(e.value) == (
         "This model's maximum context length is 256 tokens. However, you requested 10 output tokens and your "
         "prompt contains at least 250 input tokens, for a total of at least 260 tokens. Please reduce the length "
         "of the input prompt or the number of requested output tokens.")
-    with pytest.raises(ValueError, match="out of range"):
-        engine.add_request("a", [49152], SamplingParams())
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        add(engine, "a", [49152], SamplingParams())
     with pytest.raises(ValueError, match="top_p"):
-        engine.add_request("a", [5], SamplingParams(top_p=0.0))
-    engine.add_request("a", [5], SamplingParams())
+        add(engine, "a", [5], SamplingParams(top_p=0.0))
+    add(engine, "a", [5], SamplingParams())
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("a", [5], SamplingParams())
+        add(engine, "a", [5], SamplingParams())
     assert not engine.step()[0].finished
 
 

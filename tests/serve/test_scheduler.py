@@ -8,7 +8,7 @@ import random
 from quantkit.serve.block_manager import BlockManager
 from quantkit.serve.sampling_params import SamplingParams
 from quantkit.serve.scheduler import Scheduler
-from quantkit.serve.sequence import Request, SequenceStatus
+from quantkit.serve.sequence import Request, Sequence, SequenceStatus
 
 SAMPLED = 7
 
@@ -67,6 +67,22 @@ def test_n_counts_against_max_num_seqs_before_the_fork():
     sched.add(make_seq(range(5), "a"))
     sched.add(forked.seqs[0])
     assert plan(run_step(sched)) == [("a", 5)]  # a + 3 future completions would exceed 3
+
+
+def test_forked_children_share_blocks_or_wait_at_the_head():
+    sched = make_scheduler(4, block_size=4, budget=16)
+    request = Request("n4", list(range(6)), SamplingParams(n=4, max_tokens=5), None, 5)
+    parent = request.seqs[0]
+    sched.add(parent)
+    run_step(sched)  # 6 prompt tokens in blocks 0 (full) and 1 (partial); 2 blocks free
+    later = make_seq(range(3), "later")
+    sched.add(later)
+    children = [Sequence(request, i, list(parent.token_ids)) for i in (1, 2, 3)]
+    for child in children:
+        sched.add_forked(parent, child)
+    assert sched.running == [parent, *children[:2]]  # each shares block 0 and copies block 1 into a free one
+    assert [c.block_table for c in children[:2]] == [[parent.block_table[0], 2], [parent.block_table[0], 3]]
+    assert list(sched.waiting) == [children[2], later] and children[2].block_table == []  # the pool is full
 
 
 def test_preempts_newest_and_frees_its_blocks():
