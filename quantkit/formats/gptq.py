@@ -99,7 +99,7 @@ def quantization_config(scheme: QuantScheme, layout: str, model_type: str, skipp
         "true_sequential": True,
         "lm_head": False,
         "pack_dtype": "int32",
-        "modules_in_block_to_quantize": [list(group) for group in arch_spec(model_type).sequential],
+        "modules_in_block_to_quantize": modules_in_block(arch_spec(model_type).sequential),
         "meta": {"quantizer": [f"quantkit:{__version__}"]},
     }
     if damp_percent is not None:
@@ -107,3 +107,12 @@ def quantization_config(scheme: QuantScheme, layout: str, model_type: str, skipp
     if skipped:  # GPTQModel/vLLM per-module override: "-:" = leave this module unquantized
         cfg["dynamic"] = {f"-:^{re.escape(name)}$": {} for name in skipped}
     return cfg
+
+
+def modules_in_block(sequential: tuple[tuple[str, ...], ...]) -> list[list[str]]:
+    """The registry's stages as GPTQ's modules_in_block_to_quantize. Readers match these as suffixes of the module
+    names (optimum/transformers: name.endswith), so an expert template `mlp.experts.{e}.gate_proj` is written as its
+    part inside the expert, `gate_proj`, which every expert's name ends with (and no router's: `mlp.gate`)."""
+    from quantkit.models.registry import EXPERT
+
+    return [list(dict.fromkeys(name.rpartition(f"{EXPERT}.")[2] for name in stage)) for stage in sequential]

@@ -1,4 +1,4 @@
-"""Build the one model class from whatever the user names.
+"""Build the model of the checkpoint's family (quantkit/models/families.py) from whatever the user names.
 
 Sources, in the order they are recognised:
   None                      the bundled default SmolLM2-135M-Instruct (its GGUF dequantized once into an FP16 folder)
@@ -6,6 +6,9 @@ Sources, in the order they are recognised:
   DIR                       a Hugging Face folder (model.safetensors or a sharded index)
   FILE.gguf                 any Llama-family GGUF (dequantized once into a cached FP16 folder)
   OWNER/NAME                a Hub id resolved from the local Hugging Face cache (offline)
+`resolve` refuses a config.json that quantkit cannot run (unknown model_type, GPT-2, OPT, an unsupported feature of a
+known family) before any weight loads; checkpoint tensors are mapped to the model's names by the family's `split`
+(fused Phi-3 q/k/v and gate/up, transformers 5's 3-d MoE experts: quantkit/models/keys.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from torch import nn
 from quantkit.atomic import temp_dir_beside
 from quantkit.errors import QuantkitError
 from quantkit.files import cache_root, read_hf_config, read_safetensors
-from quantkit.models.llama import LlamaForCausalLM, ModelConfig
+from quantkit.models.config import ModelConfig
+from quantkit.models.model import CausalLM
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_SOURCE = f"bundled:{BUNDLED_NAME}"
@@ -35,7 +39,7 @@ _QUANTIZED_METHODS = ("gptq", "awq", "compressed-tensors")
 
 @dataclass
 class Loaded:
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Any
     hf_config: dict
     source: str
@@ -97,7 +101,17 @@ def gguf_to_hf_folder(gguf: Path, out: Optional[Path] = None) -> Path:
 
 
 def resolve(source: Optional[str]) -> tuple[Path, str]:
-    """source -> (local folder, display name)."""
+    """source -> (local folder, display name) of a model quantkit can run (its config.json checked)."""
+    folder, name = locate(source)
+    try:
+        ModelConfig.from_hf(read_hf_config(folder))
+    except QuantkitError as e:
+        raise QuantkitError(f"{folder}: {e}") from None
+    return folder, name
+
+
+def locate(source: Optional[str]) -> tuple[Path, str]:
+    """source -> (local folder, display name), whatever its architecture (a tokenizer is all some callers need)."""
     if source is None or source == BUNDLED_SOURCE:
         return bundled_model_dir(), BUNDLED_SOURCE
     path = Path(source).expanduser()
@@ -130,7 +144,7 @@ def _from_hf_cache(repo_id: str) -> Path:
 def load_tokenizer(source: Optional[str] = None):
     from transformers import AutoTokenizer
 
-    folder, _ = resolve(source)
+    folder, _ = locate(source)
     return AutoTokenizer.from_pretrained(folder)
 
 
@@ -151,20 +165,20 @@ def load_model(source: Optional[str] = None, dtype: torch.dtype = torch.float32,
     return Loaded(model=model, tokenizer=tokenizer, hf_config=hf_config, source=name, path=folder, quant_meta=meta)
 
 
-def _build_float(folder: Path, hf_config: dict, dtype: torch.dtype) -> LlamaForCausalLM:
+def _build_float(folder: Path, hf_config: dict, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(ModelConfig.from_hf(hf_config))
+        model = CausalLM(ModelConfig.from_hf(hf_config))
     load_state(model, read_safetensors(folder), folder, dtype)
     return model
 
 
-def _build_quantized(folder: Path, hf_config: dict, dtype: torch.dtype) -> tuple[LlamaForCausalLM, Optional[dict]]:
+def _build_quantized(folder: Path, hf_config: dict, dtype: torch.dtype) -> tuple[CausalLM, Optional[dict]]:
     from quantkit.formats.checkpoint import read_quantized
     from quantkit.quant.qlinear import QLinear
 
     q = read_quantized(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(ModelConfig.from_hf(hf_config))
+        model = CausalLM(ModelConfig.from_hf(hf_config))
     for name, (qt, bias) in q.qlinears.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -175,8 +189,10 @@ def _build_quantized(folder: Path, hf_config: dict, dtype: torch.dtype) -> tuple
     return model, q.meta
 
 
-def load_state(model: LlamaForCausalLM, state: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> None:
-    """Materialise every float parameter of `model` (built on meta) from `state`, cast to `dtype`."""
+def load_state(model: CausalLM, state: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> None:
+    """Materialise every float parameter of `model` (built on meta) from `state` (checkpoint names, mapped by the
+    family's split), cast to `dtype`."""
+    state = model.family.split(state, model.config)
     if model.config.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     expected = {name for name, p in model.named_parameters() if p.is_meta}
@@ -189,8 +205,3 @@ def load_state(model: LlamaForCausalLM, state: dict[str, torch.Tensor], folder: 
     model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=False, assign=True)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    inv_freq = model.model.rotary_emb.inv_freq
-    if inv_freq.is_meta:
-        from quantkit.models.llama import rope_inv_freq
-
-        model.model.rotary_emb.inv_freq = rope_inv_freq(model.config)

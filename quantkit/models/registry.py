@@ -1,14 +1,19 @@
-"""Per-architecture facts as data (never isinstance/string chains in the algorithms).
+"""Per-architecture quantization facts as data (never isinstance/string chains in the algorithms).
 
-Module paths are relative to one decoder block (`model.layers.N`). Every supported architecture shares the Llama
-block; they differ only in biases, which the config decides, and in the defaults below.
+Module paths are relative to one decoder block (`model.layers.N`). `{e}` stands for every expert of an MoE block
+(`ArchSpec.in_block` expands it, and drops the names a block lacks: the dense layers of a Qwen MoE model). The
+Linears not named in `sequential` stay float: lm_head, the MoE routers (`gate`: a rounding flip would reroute
+tokens) and Qwen2-MoE's `shared_expert_gate`; checkpoints list them as unquantized.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from quantkit.errors import QuantkitError
+
+EXPERT = "{e}"
 
 
 @dataclass(frozen=True)
@@ -16,53 +21,121 @@ class ScalingGroup:
     """AWQ: `prev` (an RMSNorm or Linear) feeds every Linear in `linears`; a per-input-channel scale s divides
     `prev`'s output and multiplies the linears' weight columns. `inspect` is the module whose output the search
     compares (the linears' common parent, or the single linear). `needs_equal_heads`: only valid without GQA
-    (v_proj's output width must equal o_proj's input width)."""
+    (v_proj's output width must equal o_proj's input width). `source`: the Linear whose input statistics are the
+    group's (default linears[0]; an MoE block's router, which sees every token its experts share out).
+    `unquantized`: float Linears `prev` also feeds (router, shared-expert gate): their columns are multiplied by s
+    too, so they compute the same after the fold."""
 
     prev: str
     linears: tuple[str, ...]
     inspect: str
     needs_equal_heads: bool = False
+    source: str = ""
+    unquantized: tuple[str, ...] = ()
+
+    @property
+    def stats_of(self) -> str:
+        return self.source or self.linears[0]
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    # q/k/v always carry a bias (Qwen2) regardless of config.attention_bias
-    qkv_bias: bool
-    # o_proj carries a bias when config.attention_bias is set (Llama), never for Qwen2
-    o_bias_follows_attention_bias: bool
     # GPTQ true-sequential order inside a block: each sub-list is quantized together, its outputs feed the next
     sequential: tuple[tuple[str, ...], ...]
     awq_groups: tuple[ScalingGroup, ...]
     # AWQ clips every Linear's weights except these (q/k feed a softmax through RoPE: clipping them hurts)
     awq_no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
+    # MoE: the block's router Linear (its output routes the tokens); its parent module holds `experts`
+    router: str = ""
 
     @property
     def linears(self) -> tuple[str, ...]:
         return tuple(name for group in self.sequential for name in group)
 
+    @property
+    def experts(self) -> str:
+        """The ModuleList of experts ("" without MoE)."""
+        return f"{self.router.rpartition('.')[0]}.experts" if self.router else ""
 
-_LLAMA_SEQUENTIAL = (
+    def in_block(self, block) -> "ArchSpec":
+        """This spec for one block (an nn.Module): `{e}` expanded over its experts, and every name, group and
+        stage it does not have dropped."""
+        present = {name for name, _ in block.named_modules()}
+        n = len(block.get_submodule(self.experts)) if self.experts and self.experts in present else 0
+
+        def names(templates: tuple[str, ...]) -> tuple[str, ...]:
+            out = [t.replace(EXPERT, str(e)) for t in templates for e in (range(n) if EXPERT in t else [None])]
+            return tuple(name for name in out if name in present)
+
+        groups = []
+        for g in self.awq_groups:
+            for e in range(n) if EXPERT in g.prev else [EXPERT]:  # an up -> down group per expert, else one
+                prev, inspect = g.prev.replace(EXPERT, str(e)), g.inspect.replace(EXPERT, str(e))
+                linears = names(tuple(t.replace(EXPERT, str(e)) for t in g.linears))
+                if linears and prev in present:
+                    groups.append(dataclasses.replace(g, prev=prev, linears=linears, inspect=inspect,
+                                                      unquantized=names(g.unquantized)))
+        sequential = tuple(s for s in (names(stage) for stage in self.sequential) if s)
+        router = self.router if self.router in present else ""
+        return dataclasses.replace(self, sequential=sequential, awq_groups=tuple(groups), router=router)
+
+
+_ATTENTION_SEQUENTIAL = (
     ("self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"),
     ("self_attn.o_proj",),
-    ("mlp.up_proj", "mlp.gate_proj"),
-    ("mlp.down_proj",),
 )
-
-_LLAMA_AWQ = (
+_ATTENTION_AWQ = (
     ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
     ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj", needs_equal_heads=True),
-    ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
-    ScalingGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
 )
 
-_LLAMA = ArchSpec(qkv_bias=False, o_bias_follows_attention_bias=True, sequential=_LLAMA_SEQUENTIAL,
-                  awq_groups=_LLAMA_AWQ)
+
+def _mlp(path: str, prev: str = "", gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"):
+    """(gate/up stage, down stage, AWQ groups) of a gated MLP under `path`; its norm group only when `prev` feeds
+    it alone (an MoE block's experts share theirs with the router: _moe_group)."""
+    g, u, d = f"{path}.{gate}", f"{path}.{up}", f"{path}.{down}"
+    groups = ((ScalingGroup(prev, (g, u), path),) if prev else ()) + (ScalingGroup(u, (d,), d),)
+    return (u, g), (d,), groups
+
+
+def _moe_group(moe: str, gate: str, up: str, shared: bool = False) -> ScalingGroup:
+    """post_attention_layernorm feeds the router and every expert's gate/up (and the shared expert's): one group,
+    its statistics the router's input (all tokens)."""
+    linears = (f"{moe}.experts.{EXPERT}.{gate}", f"{moe}.experts.{EXPERT}.{up}")
+    unquantized = (f"{moe}.gate",)
+    if shared:
+        linears += (f"{moe}.shared_expert.{gate}", f"{moe}.shared_expert.{up}")
+        unquantized += (f"{moe}.shared_expert_gate",)
+    return ScalingGroup("post_attention_layernorm", linears, moe, source=f"{moe}.gate", unquantized=unquantized)
+
+
+def _spec(*mlps, moe: ScalingGroup | None = None) -> ArchSpec:
+    """Attention, then the MLPs' gate/up stages together and their down stages together."""
+    up_gate = tuple(name for mlp in mlps for name in mlp[0])
+    down = tuple(name for mlp in mlps for name in mlp[1])
+    groups = _ATTENTION_AWQ + ((moe,) if moe else ()) + tuple(g for mlp in mlps for g in mlp[2])
+    return ArchSpec(_ATTENTION_SEQUENTIAL + (up_gate, down), groups, router=moe.source if moe else "")
+
+
+_LLAMA = _spec(_mlp("mlp", "post_attention_layernorm"))
+_GEMMA = _spec(_mlp("mlp", "pre_feedforward_layernorm"))  # Gemma's post_attention_layernorm norms the attention out
+_MIXTRAL = _spec(_mlp(f"block_sparse_moe.experts.{EXPERT}", gate="w1", up="w3", down="w2"),
+                 moe=_moe_group("block_sparse_moe", "w1", "w3"))
+_QWEN_MLPS = (_mlp("mlp", "post_attention_layernorm"), _mlp(f"mlp.experts.{EXPERT}"))  # dense layers, experts
+_QWEN3_MOE = _spec(*_QWEN_MLPS, moe=_moe_group("mlp", "gate_proj", "up_proj"))
+_QWEN2_MOE = _spec(*_QWEN_MLPS, _mlp("mlp.shared_expert"), moe=_moe_group("mlp", "gate_proj", "up_proj", shared=True))
 
 REGISTRY: dict[str, ArchSpec] = {
     "llama": _LLAMA,  # Llama 2/3/3.1, SmolLM/SmolLM2, TinyLlama
     "mistral": _LLAMA,
-    "qwen2": ArchSpec(qkv_bias=True, o_bias_follows_attention_bias=False, sequential=_LLAMA_SEQUENTIAL,
-                      awq_groups=_LLAMA_AWQ),
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,  # q_norm / k_norm are not Linears
+    "phi3": _LLAMA,  # after the load-time split of qkv_proj / gate_up_proj (models/keys.py)
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA,
+    "mixtral": _MIXTRAL,
+    "qwen2_moe": _QWEN2_MOE,  # dense layers (mlp_only_layers, decoder_sparse_step) keep mlp.{gate,up,down}_proj
+    "qwen3_moe": _QWEN3_MOE,
 }
 
 

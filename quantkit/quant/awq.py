@@ -12,6 +12,9 @@ Scale search, a in {0, 1/20, ..., 19/20}:
 Folding s (x' = x / s, W' = W s) leaves the float model's outputs unchanged.
 Clip search (every Linear but q/k): per row and group, the shrink t in {1, 0.95, ..., 0.55} of the group's absmax
 minimising that group's partial-output error dw_g H_gg dw_g^T.
+MoE (models/registry.py): the norm before an MoE block is one group over every expert's gate/up, searched on the
+router's input (all tokens) and folded into the router's columns too; each expert's up -> down is its own group on
+its routed tokens, and clipping uses each expert's own H. An expert no token reached is rounded to nearest.
 """
 
 from __future__ import annotations
@@ -82,11 +85,15 @@ def search_scales(weight: torch.Tensor, x_mean: torch.Tensor, h: torch.Tensor, s
 
 
 def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) -> None:
-    """Divide prev's output channels by s [K] (RMSNorm weight [K], or Linear rows [K, :] and bias) and multiply
-    the linears' input columns by s; the composition prev -> linears computes the same function."""
+    """Divide prev's output channels by s [K] (RMSNorm scale [K], or Linear rows [K, :] and bias) and multiply
+    the linears' input columns by s (the quantized ones and the float ones prev also feeds: an MoE router); the
+    composition prev -> linears computes the same function."""
     with torch.no_grad():
         s = s.to(prev.weight.device)
-        if prev.weight.dim() == 1:
+        offset = getattr(prev, "weight_offset", 0.0)  # a Gemma RMSNorm scales by 1 + w: fold into the sum
+        if prev.weight.dim() == 1 and offset:
+            prev.weight.add_(offset).div_(s.to(prev.weight.dtype)).sub_(offset)
+        elif prev.weight.dim() == 1:
             prev.weight.div_(s.to(prev.weight.dtype))
         else:
             prev.weight.div_(s.to(prev.weight.dtype)[:, None])
@@ -146,29 +153,37 @@ class AWQ:
     def search_and_fold(self, block: nn.Module, names: list[str], stats: dict
                         ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         """Search every scaling group on the float weights, then fold all scales into the block (its float
-        outputs do not change). Returns each Linear's input Hessian after scaling and the search report."""
+        outputs do not change). Returns each Linear's input Hessian after scaling (none for an expert no
+        calibration token reached) and the search report."""
         linears = {n: block.get_submodule(n) for n in names}
         hessians: dict[int, torch.Tensor] = {}  # id(stats) -> H of that input
         for st in stats.values():
             hessians.setdefault(id(st), st.hessian())
-        h_of = {n: hessians[id(stats[n])] for n in names}
+        h_of = {n: hessians[id(stats[n])] for n in names if n in stats}
 
         found = []  # (group, prev module, ScaleSearch)
-        for group in self.spec.awq_groups:
+        for group in self.spec.in_block(block).awq_groups:
+            st = stats.get(group.stats_of)
+            if st is None:
+                continue  # an expert no token reached: its down_proj has no input to scale for
             prev, first = block.get_submodule(group.prev), linears[group.linears[0]]
             if group.needs_equal_heads and prev.weight.shape[0] != first.in_features:
                 continue  # GQA: v_proj's output is narrower than o_proj's input, no per-channel fold exists
             weight = torch.cat([linears[n].weight.detach() for n in group.linears])  # [sum N, K]
-            st = stats[group.linears[0]]
-            found.append((group, prev, search_scales(weight, st.magnitude(), h_of[group.linears[0]], self.scheme,
+            found.append((group, prev, search_scales(weight, st.magnitude(), hessians[id(st)], self.scheme,
                                                        self.n_grid)))
 
         info: dict[str, dict] = {n: {} for n in names}
         for group, prev, search in found:
-            fold_scales(prev, [linears[n] for n in group.linears], search.scales)
-            h_scaled = scale_hessian(h_of[group.linears[0]], search.scales)
+            fed = [linears[n] for n in group.linears] + [block.get_submodule(n) for n in group.unquantized]
+            fold_scales(prev, fed, search.scales)
+            scaled: dict[int, torch.Tensor] = {}  # id(H) -> H of x / s (linears fed the same x share one)
             for n in group.linears:
-                h_of[n] = h_scaled
+                if n in h_of:
+                    h = h_of[n]
+                    if id(h) not in scaled:
+                        scaled[id(h)] = scale_hessian(h, search.scales)
+                    h_of[n] = scaled[id(h)]
                 info[n] = {"ratio": search.ratio, "group_loss": search.loss, "group_loss_rtn": search.loss_unscaled}
         return h_of, info
 
@@ -176,6 +191,10 @@ class AWQ:
         h_of, info = self.search_and_fold(block, names, stats)
         for name in names:
             weight = block.get_submodule(name).weight.detach().float()  # scaled: W s
+            if name not in h_of:  # an expert no calibration token reached: round to nearest, no clip search
+                yield name, quantize_rtn(weight, self.scheme, layer=prefix + name), \
+                    {**info[name], "loss": None, "fallback": True, "no_tokens": True}
+                continue
             clipped = weight
             if name not in self.spec.awq_no_clip:
                 clipped = clip_weight(weight, search_clip(weight, h_of[name], self.scheme))

@@ -9,6 +9,9 @@
         nn.Linear -> QLinear; the block is written durably to the work folder (a rerun resumes after it)
 The methods (quant/rtn.py, gptq.py, awq.py) only see weights and statistics: `needs` names the statistics
 ("hessian": X^T X, "magnitude": sum |x|), `true_sequential` whether they take the stages one at a time.
+MoE blocks: each expert's Linears are recorded on exactly the tokens routed to it (the router's output, read by a
+hook, says which); an expert that no calibration token reaches has no statistics, and the method rounds it to nearest
+(reported as a fallback with tokens 0).
 """
 
 from __future__ import annotations
@@ -41,15 +44,14 @@ class InputStats:
         self.abs_sum = torch.zeros(k, device=device) if "magnitude" in needs else None  # [K] fp32
         self.tokens = self.samples = 0
 
-    def add(self, x: torch.Tensor, mask: torch.Tensor) -> None:
-        """x [B, L, K], mask [B, L] bool: the tokens that count."""
-        tokens = x.reshape(-1, x.shape[-1]) if bool(mask.all()) else x[mask]  # [T, K]
+    def add(self, tokens: torch.Tensor, samples: int) -> None:
+        """tokens [T, K]: the inputs that count; samples: how many calibration samples they come from."""
         if self.h_sum is not None:
             accumulate_hessian(self.h_sum, tokens)
         if self.abs_sum is not None:
             accumulate_magnitude(self.abs_sum, tokens)
         self.tokens += tokens.shape[0]
-        self.samples += int(mask.any(dim=1).sum())
+        self.samples += samples
 
     def finite(self) -> bool:
         return all(bool(torch.isfinite(t).all()) for t in (self.h_sum, self.abs_sum) if t is not None)
@@ -163,11 +165,26 @@ def autocast(device: torch.device, compute_dtype: str):
 
 
 def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                  needs: tuple[str, ...], batch_size: int, prefix: str, device) -> dict[str, InputStats]:
-    """Run the block over x [N, L, H] (CPU) in batches; returns each named Linear's input statistics."""
+                  needs: tuple[str, ...], batch_size: int, prefix: str, device,
+                  router: str = "") -> dict[str, InputStats]:
+    """Run the block over x [N, L, H] (CPU) in batches; returns each named Linear's input statistics (none for a
+    Linear that was never called: an expert no token reached). router: the block's MoE router, whose output says
+    which tokens each expert's input rows are."""
     stats: dict[str, InputStats] = {}
     seen: dict[int, tuple[torch.Tensor, InputStats]] = {}  # this batch: id(input) -> its stats
     batch: dict = {}
+
+    def counted(name: str, inp: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """-> (the rows of inp [..., K] that count [T, K], how many samples they come from)."""
+        m = batch["mask"]  # [B, L]
+        rows = batch["routed"].get(name.rpartition(".")[0])  # an expert's input rows: these flat tokens [n]
+        if rows is None:
+            keep, samples = m.reshape(-1), int(m.any(dim=1).sum())
+        else:
+            keep = m.reshape(-1)[rows]
+            samples = int((rows[keep] // m.shape[1]).unique().numel())
+        flat = inp.reshape(-1, inp.shape[-1])
+        return (flat if bool(keep.all()) else flat[keep]), samples
 
     def hook(name):
         def record(module, args):
@@ -176,7 +193,7 @@ def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: tor
                 stats.setdefault(name, seen[id(inp)][1])
             else:
                 st = stats.setdefault(name, InputStats(inp.shape[-1], needs, inp.device))
-                st.add(inp, batch["mask"])
+                st.add(*counted(name, inp))
                 if not st.finite():  # a NaN/inf input poisons the sums: checking them is cheaper than x
                     raise QuantkitError(
                         f"calibration inputs of {prefix}{name} contain NaN/inf (samples {batch['range']}): the model "
@@ -188,11 +205,19 @@ def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: tor
                 raise _StageDone
         return record
 
+    moe_path = router.rpartition(".")[0]
+
+    def route(module, args, logits):
+        moe = block.get_submodule(moe_path)
+        batch["routed"] = {f"{moe_path}.experts.{e}": tokens for e, tokens, _ in moe.groups(moe.select(logits)[1])}
+
     handles = [block.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    if router:
+        handles.append(block.get_submodule(router).register_forward_hook(route))
     try:
         for b0 in range(0, x.shape[0], batch_size):
             b1 = min(b0 + batch_size, x.shape[0])
-            batch.update(mask=mask[b0:b1].to(device), range=f"{b0}-{b1 - 1}", called=set())
+            batch.update(mask=mask[b0:b1].to(device), range=f"{b0}-{b1 - 1}", called=set(), routed={})
             seen.clear()
             try:
                 block(x[b0:b1].to(device), positions)
@@ -203,6 +228,13 @@ def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: tor
             handle.remove()
         seen.clear()
     return stats
+
+
+def observed(stage: list[str], spec) -> list[str]:
+    """The Linears whose inputs a stage records: its own, and the statistics source of each AWQ group feeding them
+    (an MoE block's router, whose input is every token the experts share out)."""
+    extra = [g.stats_of for g in spec.awq_groups if g.stats_of not in stage and set(g.linears) & set(stage)]
+    return stage + list(dict.fromkeys(extra))
 
 
 def block_forward(block: nn.Module, x: torch.Tensor, positions: torch.Tensor, batch_size: int, device) -> torch.Tensor:
@@ -241,7 +273,6 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
     if needs_data and calib is None:
         raise QuantkitError(f"--method {cfg.method} needs calibration data: pass --data FILE")
     layers = model.model.layers
-    stages = [list(s) for s in spec.sequential] if method.true_sequential else [list(spec.linears)]
 
     work = None
     start = 0
@@ -255,7 +286,7 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
 
     report: list[dict] = []
     for i in range(start):  # finished blocks come back from the work folder
-        qts, block_report = work.load_block(i, layers[i], spec.linears, cfg.scheme)
+        qts, block_report = work.load_block(i, layers[i], spec.in_block(layers[i]).linears, cfg.scheme)
         for name, qt in qts.items():
             swap_in_qlinear(layers[i], name, qt)
         report += block_report
@@ -267,7 +298,7 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
         x = work.load_inputs() if start else None
         if x is None:
             with torch.no_grad():
-                x = model.model.embed_tokens(calib.input_ids)  # [N, L, H]
+                x = model.embed(calib.input_ids)  # [N, L, H]
         positions = torch.arange(calib.input_ids.shape[1], device=device)
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} blocks"),
@@ -276,14 +307,16 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
         task = bar.add_task(f"{cfg.method} {cfg.scheme.name()}", total=len(layers), completed=start, status="")
         for i in range(start, len(layers)):
             prefix, block = f"model.layers.{i}.", layers[i].to(device)
+            bspec = spec.in_block(block)  # experts expanded; a dense layer of an MoE model has none
+            stages = [list(s) for s in bspec.sequential] if method.true_sequential else [list(bspec.linears)]
             qts: dict[str, QTensor] = {}
             block_report: list[dict] = []
-            replay, batches = Replay(block, spec.linears), -(-len(x) // cfg.batch_size) if needs_data else 0
+            replay, batches = Replay(block, bspec.linears), -(-len(x) // cfg.batch_size) if needs_data else 0
             for stage in stages:
                 t0 = time.perf_counter()
                 with autocast(device, compute_dtype), replay.forward(set(qts), batches):
-                    stats = (capture_stage(block, stage, x, mask, positions, method.needs, cfg.batch_size, prefix,
-                                           device) if needs_data else {})
+                    stats = (capture_stage(block, observed(stage, bspec), x, mask, positions, method.needs,
+                                           cfg.batch_size, prefix, device, bspec.router) if needs_data else {})
                 for name, qt, info in method.quantize_stage(block, stage, stats, prefix):
                     if needs_data:  # later stages and the block's outputs see the quantized weights
                         linear = block.get_submodule(name)

@@ -207,6 +207,13 @@ def scheme_for_columns(scheme: QuantScheme) -> QuantScheme:
     return dataclasses.replace(scheme, group_size=-1, act_order=False, static_groups=False)
 
 
+def rtn_fallback(weight: torch.Tensor, scheme: QuantScheme, layer: str) -> tuple[QTensor, dict]:
+    """A Linear without calibration inputs (an MoE expert no token reached): round to nearest, reported as a
+    fallback with no loss (there are no inputs to measure it on)."""
+    qt = quantize_rtn(weight.detach().float(), dataclasses.replace(scheme, act_order=False), layer=layer)
+    return qt, {"damp": None, "loss": None, "fallback": True, "dead_columns": weight.shape[1], "no_tokens": True}
+
+
 class GPTQ:
     """GPTQ as a calibration method of the driver (quant/calibrate.py): one Hessian per distinct input."""
 
@@ -220,7 +227,10 @@ class GPTQ:
     def quantize_stage(self, block, names, stats, prefix) -> Iterator[tuple[str, QTensor, dict]]:
         hessians: dict[int, torch.Tensor] = {}  # id(stats) -> H: q, k and v share one input
         for name in names:
-            st = stats[name]
+            st = stats.get(name)
+            if st is None:  # an expert no calibration token was routed to: nothing to minimise the error on
+                yield name, *rtn_fallback(block.get_submodule(name).weight, self.scheme, prefix + name)
+                continue
             if id(st) not in hessians:
                 hessians[id(st)] = st.hessian()
             weight = block.get_submodule(name).weight

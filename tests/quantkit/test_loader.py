@@ -1,6 +1,11 @@
-"""The loader: HF folders (single and sharded), the hub cache (offline), and clear errors."""
+"""The loader: HF folders (single and sharded), the hub cache (offline), and clear errors: an architecture quantkit does
+not run is one error line from every command before any weight loads."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from quantkit.errors import QuantkitError
 from quantkit.models.loader import load_model, resolve
-from tests.conftest import tiny_hf_config
+from tests.conftest import REPO, tiny_hf_config
 
 
 def _save_tiny(folder, bundled_dir, max_shard_size="2GB"):
@@ -54,3 +59,60 @@ def test_missing_weight_is_named(tmp_path, bundled_dir):
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(QuantkitError, match="model.layers.1.mlp.down_proj.weight"):
         load_model(str(tmp_path))
+
+
+def quantkit_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quantkit.cli", *args], capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: ") and "Traceback" not in done.stderr, done.stderr
+    return lines[-1]
+
+
+REFUSED = {  # config.json of architectures quantkit does not run (only the config: nothing else is read)
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=128),
+    "opt": dict(model_type="opt", hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=128),
+    "unknown": tiny_hf_config("my_new_arch"),
+}
+
+
+@pytest.mark.parametrize("arch", REFUSED)
+def test_unsupported_architectures_are_one_error_line_before_any_weight_loads(tmp_path, arch):
+    (tmp_path / "config.json").write_text(json.dumps(REFUSED[arch]))
+    expected = (f"error: {tmp_path}: config.json model_type {REFUSED[arch]['model_type']!r} is not supported: "
+                f"quantkit runs Gemma 2 (gemma2), Gemma 3 (gemma3_text), Llama (llama), ")
+    assert one_error_line(quantkit_cli("calibrate", str(tmp_path), "--method", "rtn",
+                                       "--out", str(tmp_path / "out"))).startswith(expected)
+    assert one_error_line(quantkit_cli("serve", str(tmp_path))).startswith(expected)
+    with pytest.raises(QuantkitError, match="is not supported: quantkit runs"):
+        load_model(str(tmp_path))
+    import quantkit
+
+    with pytest.raises(QuantkitError, match="is not supported: quantkit runs"):
+        quantkit.LLM(str(tmp_path))
+
+
+def test_a_known_family_with_an_unsupported_feature_names_the_family(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config("gemma3_text", use_bidirectional_attention=True)))
+    with pytest.raises(QuantkitError, match=r"Gemma 3 \(gemma3_text\): use_bidirectional_attention"):
+        resolve(str(tmp_path))
+
+
+def test_head_dim_null_calibrates(tmp_path, bundled_dir):
+    """Transformers writes "head_dim": null for Mixtral-style configs: head_dim is hidden / heads then."""
+    torch.manual_seed(0)
+    folder = tmp_path / "model"
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_hf_config("mistral", sliding_window=None)))
+    hf.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert "head_dim" in config
+    (folder / "config.json").write_text(json.dumps({**config, "head_dim": None}))
+    PreTrainedTokenizerFast.from_pretrained(bundled_dir).save_pretrained(folder)
+    done = quantkit_cli("calibrate", str(folder), "--method", "rtn", "--group-size", "32", "--out", str(tmp_path / "q"))
+    assert done.returncode == 0, done.stderr
+    assert load_model(str(tmp_path / "q")).model.config.head_dim == 16

@@ -1,4 +1,5 @@
-"""The one model definition against transformers' own implementation (independent reference)."""
+"""The Llama-family model against transformers' own implementation (independent reference), and ModelConfig's parsing
+of every family's config.json forms and refusals (the families themselves: test_families.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from quantkit.errors import QuantkitError
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
 from tests.conftest import tiny_hf_config
 
@@ -75,6 +77,44 @@ def test_positions_argument_equals_implicit_positions():
         picked = ours(ids, logits_indices=torch.tensor([3, 11]))
     torch.testing.assert_close(full, explicit, atol=0, rtol=0)
     torch.testing.assert_close(picked, full[0, [3, 11]], atol=1e-6, rtol=0)
+
+
+def test_head_dim_null_is_hidden_over_heads():
+    assert ModelConfig.from_hf(tiny_hf_config("mistral", head_dim=None)).head_dim == 16
+
+
+def test_windows_follow_each_familys_rules():
+    assert ModelConfig.from_hf(tiny_hf_config("mistral", sliding_window=None)).layer_types == ()  # v0.2+: full
+    assert ModelConfig.from_hf(tiny_hf_config("mistral", sliding_window=16)).window(1) == 16
+    assert ModelConfig.from_hf(tiny_hf_config("qwen2", sliding_window=16)).layer_types == ()  # use_sliding_window off
+    qwen = ModelConfig.from_hf(tiny_hf_config("qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=1))
+    assert [qwen.window(i) for i in range(2)] == [None, 16]
+    gemma2 = ModelConfig.from_hf(tiny_hf_config("gemma2", num_hidden_layers=4))  # 4.x config: no layer_types
+    assert [gemma2.window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)  # HF's defaults
+
+
+def test_gemma3_old_and_new_rope_keys_parse_alike():
+    old = tiny_hf_config("gemma3_text", num_hidden_layers=6, rope_theta=1e6, rope_local_base_freq=1e4,
+                         sliding_window_pattern=6, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    new = AutoConfig.for_model(**old).to_dict()
+    assert "full_attention" in new["rope_parameters"] and "layer_types" in new
+    a, b = ModelConfig.from_hf(old), ModelConfig.from_hf(new)
+    assert (a.rope_theta, a.rope_local_theta, a.layer_types) == (b.rope_theta, b.rope_local_theta, b.layer_types)
+    assert a.rope_scaling["factor"] == b.rope_scaling["factor"] == 8.0 and a.rope_local_theta == 1e4
+    assert [a.window(i) for i in range(6)] == [4096] * 5 + [None]  # 5 local : 1 global
+
+
+@pytest.mark.parametrize("hf, message", [
+    (tiny_hf_config("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"Llama \(llama\): rope .* 'yarn'"),
+    (tiny_hf_config("phi3", partial_rotary_factor=0.75), r"Phi-3 \(phi3\): partial_rotary_factor"),
+    (tiny_hf_config("gemma2", use_bidirectional_attention=True), r"Gemma 2 \(gemma2\): use_bidirectional"),
+    (tiny_hf_config("qwen2_moe", num_experts=4, num_experts_per_tok=2), r"Qwen2-MoE \(qwen2_moe\) model has no 'moe_"),
+    (tiny_hf_config("gpt_neox"), r"'gpt_neox' is not supported: quantkit runs Gemma 2 \(gemma2\), .*Llama \(llama\)"),
+])
+def test_configs_quantkit_cannot_run_are_refused_naming_the_family(hf, message):
+    with pytest.raises(QuantkitError, match=message):
+        ModelConfig.from_hf(hf)
 
 
 @pytest.mark.slow

@@ -1,0 +1,125 @@
+"""Attention with GQA, optional biases, optional q/k RMSNorm, and per-layer facts as data (AttentionSpec).
+
+Dense (attn=None): causal over the batch's own tokens, with the layer's sliding window and logit soft-cap. Paged: an
+AttentionBackend (the serving engine's KV cache, docs/CONTRACTS.md) does the attending; it reads the same facts from
+`model.attention_specs`, and `unsupported_by_paged_attention` says which of them it cannot honour yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.models.layers import TorchOps
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (RoPE applied) -> out [T, Hq, D]."""
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one layer's attention computes beyond causal softmax(q k^T) v."""
+
+    scale: float  # multiplies q . k: 1 / sqrt(head_dim), Gemma: query_pre_attn_scalar ** -0.5
+    sliding_window: Optional[int] = None  # a query at position p sees keys p - window + 1 .. p; None: all up to p
+    logit_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before masking (Gemma 2)
+
+    @classmethod
+    def of(cls, cfg, layer_idx: int) -> "AttentionSpec":
+        scalar = cfg.query_pre_attn_scalar
+        return cls(1.0 / math.sqrt(scalar if scalar is not None else cfg.head_dim), cfg.window(layer_idx),
+                   cfg.attn_logit_softcapping)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """q [B, Hq, L, D], k/v [B, Hkv, L, D] -> [B, Hq, L, D], causal over the L tokens (right padding is safe)."""
+    gqa, n = k.shape[1] != q.shape[1], q.shape[2]
+    window = spec.sliding_window if spec.sliding_window is not None and spec.sliding_window < n else None
+    if window is None and spec.logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=gqa)
+    i = torch.arange(n, device=q.device)
+    allowed = i[None, :] <= i[:, None]  # [L, L]: key j <= query i
+    if window is not None:
+        allowed &= i[None, :] > i[:, None] - window
+    if spec.logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=spec.scale, enable_gqa=gqa)
+    # soft-capping happens between the product and the softmax, which SDPA has no hook for: eager, fp32 softmax
+    b, hq, _, d = q.shape
+    group = hq // k.shape[1]
+    qg = q.view(b, k.shape[1], group, n, d)  # [B, Hkv, G, L, D]: the queries sharing one kv head
+    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * spec.scale  # [B, Hkv, G, L, L]
+    scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ v.unsqueeze(2)).view(b, hq, n, d)
+
+
+class Attention(nn.Module):
+    ops = TorchOps
+
+    def __init__(self, cfg, layer_idx: int, linear_cls: Callable[..., nn.Module],
+                 qk_norm: Optional[Callable[[int, float], nn.Module]] = None):
+        """qk_norm: the RMSNorm class applied over head_dim to q and k before RoPE (Qwen3, Gemma 3), or None."""
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.spec = AttentionSpec.of(cfg, layer_idx)
+        h, qd, kvd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = linear_cls(h, qd, bias=cfg.qkv_bias)
+        self.k_proj = linear_cls(h, kvd, bias=cfg.qkv_bias)
+        self.v_proj = linear_cls(h, kvd, bias=cfg.qkv_bias)
+        self.o_proj = linear_cls(qd, h, bias=cfg.o_bias)
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, attn: Optional[AttentionBackend]):
+        # x [*lead, H] with lead = (B, L) dense or (T,) paged; positions [*lead] or [L]
+        lead = x.shape[:-1]
+        q, k, v = self.project(x)
+        q = q.view(*lead, self.n_heads, self.head_dim)
+        k = k.view(*lead, self.n_kv, self.head_dim)
+        v = v.view(*lead, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.ops.rope(q, k, positions, rotary)
+        if attn is None:  # dense: [B, L, H, D] -> [B, H, L, D]
+            out = dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.spec).transpose(1, 2)
+        else:
+            out = attn(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [*lead, H] -> q [*lead, Hq * D], k, v [*lead, Hkv * D] (a serving runner may override it with one
+        fused GEMM: serve/prepare.py)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+def unsupported_by_paged_attention(model) -> Optional[str]:
+    """Why the paged backends (serve/attention.py: causal over the whole cache at 1/sqrt(head_dim), RoPE from
+    `rotary.inv_freq`) cannot run `model`, in one sentence naming the family; None when they can."""
+    cfg = model.config
+    default = 1.0 / math.sqrt(cfg.head_dim)
+    family = f"{model.family.name} ({cfg.model_type})"
+    for i, spec in enumerate(model.attention_specs):
+        if spec.sliding_window is not None:
+            return f"{family} attends over a sliding window of {spec.sliding_window} tokens in layer {i}, which " \
+                   f"the paged attention backends do not implement yet"
+        if spec.logit_softcap is not None:
+            return f"{family} soft-caps its attention logits at {spec.logit_softcap} (layer {i}), which the paged " \
+                   f"attention backends do not implement yet"
+        if spec.scale != default:
+            return f"{family} scales its attention scores by {spec.scale:.6g} instead of 1/sqrt(head_dim) " \
+                   f"(layer {i}), which the paged attention backends do not implement yet"
+    if any(r.long_inv_freq is not None for r in model.rotaries()):
+        return f"{family} uses longrope, whose frequencies switch with the sequence length, which the paged " \
+               f"attention backends do not implement"
+    return None

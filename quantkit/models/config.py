@@ -1,0 +1,135 @@
+"""ModelConfig: the validated subset of a Hugging Face config.json that the model definitions read.
+
+`from_hf` parses what every family shares (sizes, RoPE in transformers 4.x `rope_theta`/`rope_scaling` or 5.x
+`rope_parameters` form, biases); the family named by `model_type` (quantkit/models/family.py) adds what only it
+has (layer types and windows, Gemma's scalars and soft-caps, MoE sizes). A config that cannot run is refused here,
+before any weight loads, in one QuantkitError naming the family and the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from quantkit.errors import QuantkitError
+from quantkit.models.family import family_of
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer types
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # {"rope_type": "linear" | "llama3" | "longrope", ...}; None = default
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    model_type: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all full
+    sliding_window: Optional[int] = None  # keys a sliding layer's query sees, itself included
+    rope_local_theta: Optional[float] = None  # RoPE base of the sliding layers (Gemma 3); None: as the full ones
+    query_pre_attn_scalar: Optional[float] = None  # attention scale = scalar ** -0.5 (Gemma); None: head_dim
+    attn_logit_softcapping: Optional[float] = None  # Gemma 2
+    final_logit_softcapping: Optional[float] = None  # Gemma 2 (and Gemma 3 where set)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's (Qwen MoE; Mixtral's experts use intermediate_size)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert
+    norm_topk_prob: bool = False  # Qwen MoE: renormalise the top-k router weights
+    sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block
+
+    def window(self, layer_idx: int) -> Optional[int]:
+        """The sliding window of layer `layer_idx`, or None (full causal attention)."""
+        is_sliding = bool(self.layer_types) and self.layer_types[layer_idx] == SLIDING
+        return self.sliding_window if is_sliding else None
+
+    def rope(self, sliding: bool = False) -> tuple[float, Optional[dict]]:
+        """(theta, scaling) of the full-attention layers, or of the sliding ones when they have their own base."""
+        if sliding and self.rope_local_theta is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """From a Hugging Face config.json dict."""
+        model_type = hf.get("model_type", "llama")
+        family = family_of(model_type)
+        where = f"{family.name} ({model_type})"
+        heads = need(hf, "num_attention_heads", where)
+        theta, scaling = parse_rope(rope_parameters(hf), hf, where)
+        attention_bias = bool(hf.get("attention_bias", False))
+        fields = dict(
+            vocab_size=need(hf, "vocab_size", where),
+            hidden_size=need(hf, "hidden_size", where),
+            intermediate_size=need(hf, "intermediate_size", where),
+            num_hidden_layers=need(hf, "num_hidden_layers", where),
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or need(hf, "hidden_size", where) // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            model_type=model_type,
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+        )
+        fields.update(family.parse(hf, where))
+        return cls(**fields)
+
+
+def need(hf: dict, key: str, where: str):
+    """hf[key], or a QuantkitError naming the family and the missing field."""
+    value = hf.get(key)
+    if value is None:
+        raise QuantkitError(f"config.json of this {where} model has no {key!r}: not a checkpoint quantkit can run")
+    return value
+
+
+def rope_parameters(hf: dict) -> dict:
+    """The RoPE dict in either form (5.x `rope_parameters`, 4.x `rope_scaling`), copied; {} when absent."""
+    return dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+
+
+def parse_rope(rope: dict, hf: dict, where: str, default_theta: float = 10000.0) -> tuple[float, Optional[dict]]:
+    """One RoPE dict -> (theta, scaling or None for the default rope); longrope gets its factor and original
+    length filled in as HF derives them."""
+    theta = float(rope.pop("rope_theta", None) or hf.get("rope_theta") or default_theta)
+    if rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise QuantkitError(f"{where}: partial_rotary_factor != 1 (RoPE on part of each head) is not supported")
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    kind = "longrope" if kind == "su" else kind
+    if kind == "default":
+        return theta, None
+    if kind not in ("linear", "llama3", "longrope"):
+        raise QuantkitError(f"{where}: rope scaling type {kind!r} is not supported (supported: default, linear, "
+                            f"llama3, longrope)")
+    if kind == "longrope":
+        original = rope.get("original_max_position_embeddings") or need(hf, "original_max_position_embeddings", where)
+        rope["original_max_position_embeddings"] = original
+        rope.setdefault("factor", hf.get("max_position_embeddings", original) / original)
+    return theta, {**rope, "rope_type": kind}
+
+
+def windowed(types: list[str], window: Optional[int]) -> dict:
+    """ModelConfig fields for per-layer types sharing one window; {} (full attention) without a window."""
+    if not window or SLIDING not in types:
+        return {}
+    return {"layer_types": tuple(types), "sliding_window": int(window)}
+
+
+def windowed_everywhere(hf: dict, window: Optional[int]) -> dict:
+    """Every layer slides over `window` (Mistral, Mixtral, Phi-3 when it is set)."""
+    return windowed([SLIDING] * hf["num_hidden_layers"], window)

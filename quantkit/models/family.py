@@ -1,0 +1,61 @@
+"""Family: what one model family changes in the shared decoder, as data, and the table of families by config.json
+model_type. Each family file (llama.py, gemma2.py, ...) registers one instance; quantkit/models/__init__.py imports
+them all, so the table is full whenever any of quantkit.models is imported. The quantization facts of the same model
+types (GPTQ order, AWQ groups, experts) are in registry.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.models.blocks import DecoderLayer
+from quantkit.models.layers import MLP, RMSNorm
+
+
+def no_fields(hf: dict, where: str) -> dict:
+    return {}
+
+
+def same_keys(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    return state
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # "Gemma 2", in messages
+    model_types: tuple[str, ...]  # config.json model_type values it runs
+    # (HF config dict, "<name> (<model_type>)" for messages) -> ModelConfig fields beyond the shared ones
+    # (config.py); raises QuantkitError for what the family's code does not implement
+    parse: Callable[[dict, str], dict] = no_fields
+    decoder: type = DecoderLayer  # the block: pre-norm, or Gemma's SandwichDecoderLayer
+    norm: type = RMSNorm  # every RMSNorm of the model (q/k norms too): Llama's, or Gemma's (1 + w)
+    mlp: type = MLP  # the dense MLP class: SwiGLU MLP or GeGLUMLP
+    moe: Optional[Callable[..., nn.Module]] = None  # (cfg, linear_cls) -> the MoE block of cfg.sparse_layers
+    ffn_name: str = "mlp"  # the block's attribute holding its MLP / MoE block (Mixtral: "block_sparse_moe")
+    qk_norm: bool = False  # q and k RMSNormed over head_dim before RoPE (Qwen3, Gemma 3)
+    embed_scale: bool = False  # embeddings times sqrt(hidden) rounded to the dtype (Gemma)
+    # checkpoint tensors -> the model's state-dict names (split fused q/k/v, gate/up and 3-d expert tensors;
+    # quantkit/models/keys.py); run on the float tensors of every folder the loader reads
+    split: Callable[[dict[str, torch.Tensor], object], dict[str, torch.Tensor]] = same_keys
+
+
+FAMILIES: dict[str, Family] = {}  # model_type -> its family
+
+
+def register(family: Family) -> Family:
+    for model_type in family.model_types:
+        FAMILIES[model_type] = family
+    return family
+
+
+def family_of(model_type: str) -> Family:
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        runs = ", ".join(f"{f.name} ({t})" for t, f in sorted(FAMILIES.items(), key=lambda tf: tf[1].name))
+        raise QuantkitError(f"config.json model_type {model_type!r} is not supported: quantkit runs {runs}") from None

@@ -1,0 +1,197 @@
+"""Shared layers of every family: the per-token ops, the RMSNorms, RoPE, and the gated MLPs.
+
+A family picks among them by data (quantkit/models/family.py); nothing here knows about quantization or serving.
+The Linear class is a constructor argument (nn.Linear, or anything with its (in, out, bias) signature).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.errors import QuantkitError
+
+
+class TorchOps:
+    """The per-token ops between the matmuls, in plain torch (any device, dtype and layout). A serving runner may
+    swap in fused kernels with the same contract (kernels/cpu/fused.py) through CausalLM.set_ops."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
+        """-> (weight * norm(x + residual), x + residual): normalise in fp32 (as HF does), scale in x's dtype."""
+        if residual is not None:
+            x = residual + x
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype), x
+
+    @staticmethod
+    def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: "RotaryEmbedding"):
+        """q [*lead, Hq, D], k [*lead, Hkv, D] at positions [*lead] (or [L] shared by a batch) -> rotated q, k."""
+        cos, sin = rotary(positions, q.dtype)
+        if q.dim() == 4 and positions.dim() == 1:  # one position row shared by the batch
+            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
+class RMSNorm(nn.Module):
+    """y = w * norm(x) (Llama): normalised in fp32, rounded to x's dtype, then scaled (through `ops`)."""
+
+    ops = TorchOps
+    weight_offset = 0.0  # the scale is weight_offset + weight (AWQ folds into the sum)
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, None, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual)."""
+        return self.ops.rms_norm(x, residual, self.weight, self.eps)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """y = (1 + w) * norm(x) (Gemma): the checkpoint stores w, and the whole product is computed in fp32 before one
+    rounding to x's dtype (HF's Gemma order, unlike Llama's); plain torch, the fused ops round like Llama."""
+
+    weight_offset = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = residual + x
+        return self(total), total
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, H, D], cos/sin [..., T, 1, D]: rotate-half RoPE (HF convention, not interleaved)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_inv_freq(cfg, sliding: bool = False, long: bool = False) -> torch.Tensor:
+    """inv_freq [D/2] float32 (on CPU) of the full-attention layers, or of the sliding ones (`sliding`: Gemma 3's
+    local base), with linear / llama3 / longrope frequency scaling; `long`: longrope's long-context factors."""
+    theta, scaling = cfg.rope(sliding)
+    d = cfg.head_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d
+    inv_freq = 1.0 / (theta ** exponents)
+    kind = scaling["rope_type"] if scaling else "default"
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short kept, a smooth ramp in between.
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(is_mid, mid, out).float()
+    if kind == "longrope":
+        # Phi-3: each frequency divided by its own factor, the short set up to original_max_position_embeddings
+        # tokens, the long set past it (HF computes these in fp32)
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
+        exponents = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
+        return 1.0 / (ext * theta ** exponents)
+    raise QuantkitError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
+
+
+def longrope_attention_factor(scaling: dict) -> float:
+    """cos and sin of longrope are multiplied by this: sqrt(1 + ln(factor) / ln(original length))."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of the RoPE angles p * inv_freq. Longrope (Phi-3) switches to its long frequencies for a forward whose
+    largest position reaches original_max_position_embeddings (as HF does) and scales cos/sin by its attention
+    factor; the paged backends refuse it (models/attention.py), so `inv_freq` is what every other rope uses."""
+
+    def __init__(self, cfg, sliding: bool = False):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, sliding), persistent=False)
+        scaling = cfg.rope(sliding)[1]
+        longrope = bool(scaling) and scaling["rope_type"] == "longrope"
+        self.register_buffer("long_inv_freq", rope_inv_freq(cfg, sliding, long=True) if longrope else None,
+                             persistent=False)
+        self.long_from = scaling["original_max_position_embeddings"] if longrope else None  # first long position
+        self.attention_factor = longrope_attention_factor(scaling) if longrope else 1.0
+        self._last = None  # (positions, dtype, inv_freq, (cos, sin)) of the latest call
+
+    def frequencies(self, positions: torch.Tensor) -> torch.Tensor:
+        """The inv_freq [D/2] for a forward over `positions` (longrope: the long set from long_from on)."""
+        if self.long_inv_freq is not None and int(positions.max()) >= self.long_from:
+            return self.long_inv_freq
+        return self.inv_freq
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [...] -> cos, sin [..., 1, D] in `dtype` (angles computed in fp32). Every layer of one forward
+        passes the same positions tensor: the result is computed once and reused (the cache holds that tensor, so
+        its identity cannot be recycled for another)."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype and last[2] is self.inv_freq:
+            return last[3]
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.frequencies(positions)  # [..., D/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)  # [..., 1, D]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        result = cos.to(dtype), sin.to(dtype)
+        self._last = (positions, dtype, self.inv_freq, result)
+        return result
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); the activation is the subclass's `activated`."""
+
+    ops = TorchOps
+
+    def __init__(self, hidden: int, intermediate: int, linear_cls: Callable[..., nn.Module], bias: bool = False):
+        super().__init__()
+        self.gate_proj = linear_cls(hidden, intermediate, bias=bias)
+        self.up_proj = linear_cls(hidden, intermediate, bias=bias)
+        self.down_proj = linear_cls(intermediate, hidden, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(self.activated(x))
+
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MLP(GatedMLP):
+    """SwiGLU (Llama, Qwen, Mistral, Phi-3 after its gate_up split, the Qwen MoE experts)."""
+
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        """x [*lead, H] -> silu(gate(x)) * up(x) [*lead, I] (a serving runner may override it with one fused GEMM
+        and its SiLU epilogue: serve/prepare.py, which fuses only modules whose type is exactly MLP)."""
+        return self.ops.silu_mul(self.gate_proj(x), self.up_proj(x))
+
+
+class GeGLUMLP(GatedMLP):
+    """GeGLU (Gemma): gelu with the tanh approximation instead of silu; not an MLP, so no SiLU fusion applies."""
+
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)

@@ -1,0 +1,92 @@
+"""The decoder every family builds: embeddings -> blocks -> final norm -> lm_head, shaped by its Family's data.
+
+Module names mirror Hugging Face's checkpoints, so state-dict keys are the HF tensor names (fused checkpoint tensors
+are split at load, quantkit/models/keys.py). The Linear class is a constructor argument; the model never knows about
+quantization (QLinear replaces modules after construction) or serving (an AttentionBackend is an argument), see
+docs/CONTRACTS.md.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from quantkit.models.attention import Attention, AttentionBackend, AttentionSpec
+from quantkit.models.family import family_of
+from quantkit.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class DecoderModel(nn.Module):
+    """`model.*` of the checkpoint: embed_tokens, layers, norm, and the rotary embeddings (no weights)."""
+
+    def __init__(self, cfg, linear_cls: Callable[..., nn.Module], family):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(family.decoder(cfg, i, linear_cls, family) for i in range(cfg.num_hidden_layers))
+        self.norm = family.norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+        if cfg.rope_local_theta is not None:  # Gemma 3: the sliding layers' own base
+            self.rotary_emb_local = RotaryEmbedding(cfg, sliding=True)
+        for i, layer in enumerate(self.layers):
+            local = cfg.rope_local_theta is not None and cfg.window(i) is not None
+            object.__setattr__(layer, "rotary", self.rotary_emb_local if local else self.rotary_emb)  # shared
+
+
+class CausalLM(nn.Module):
+    """Any supported family, chosen by cfg.model_type (the families registered in quantkit/models/family.py)."""
+
+    def __init__(self, cfg, linear_cls: Callable[..., nn.Module] = nn.Linear):
+        super().__init__()
+        self.config = cfg
+        self.family = family_of(cfg.model_type)
+        self.model = DecoderModel(cfg, linear_cls, self.family)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def attention_specs(self) -> list[AttentionSpec]:
+        """Per layer: scale, sliding window, logit soft-cap (what an AttentionBackend must implement)."""
+        return [layer.self_attn.spec for layer in self.model.layers]
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return [m for m in self.model.children() if isinstance(m, RotaryEmbedding)]
+
+    def set_ops(self, ops) -> None:
+        """Route the per-token ops (norms, RoPE, SiLU-and-multiply) through `ops` (TorchOps' contract)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, GatedMLP)):
+                module.ops = ops
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [...] -> the first block's input [..., H] (Gemma: times sqrt(H) rounded to the dtype)."""
+        x = self.model.embed_tokens(input_ids)
+        if self.family.embed_scale:
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)  # as HF rounds it
+        return x
+
+    def hidden(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+               attn: Optional[AttentionBackend] = None) -> torch.Tensor:
+        """input_ids [B, L] (dense) or [T] (paged, with attn) -> final-normed hidden [..., H]."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+        x = self.embed(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, attn)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> float32 logits [..., V] (Gemma 2: soft-capped, cap * tanh(logits / cap))."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                attn: Optional[AttentionBackend] = None, logits_indices: Optional[torch.Tensor] = None):
+        """-> float32 logits [B, L, V] (dense), [T, V] (paged) or [S, V] at `logits_indices` [S]."""
+        h = self.hidden(input_ids, positions, attn)
+        if logits_indices is not None:
+            h = h.reshape(-1, h.shape[-1])[logits_indices]
+        return self.logits(h)

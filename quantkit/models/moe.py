@@ -1,0 +1,58 @@
+"""The sparse MoE block: a router picks top-k experts per token, each expert a separate module run once per forward
+on exactly the tokens routed to it.
+
+Tokens are grouped by expert (one argsort of the T * k choices, one bincount), so each active expert is one
+index_select -> expert -> weighted index_add: the expert's Linears (nn.Linear or QLinear) see only their tokens,
+which is what calibration hooks on them record. The router `gate` is a plain nn.Linear: it is never quantized (a
+rounding flip would send tokens to other experts).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+class MoE(nn.Module):
+    """softmax over the router logits (fp32) -> top-k; normalize: the k weights rescaled to sum to 1 (Mixtral
+    always, which equals a softmax over the top-k logits; Qwen when norm_topk_prob); fp32_weights: the weights stay
+    fp32 when multiplying the expert outputs (Mixtral) instead of the model dtype (Qwen), as in HF."""
+
+    def __init__(self, hidden: int, experts: list[nn.Module], top_k: int, normalize: bool, fp32_weights: bool):
+        super().__init__()
+        self.gate = nn.Linear(hidden, len(experts), bias=False)
+        self.experts = nn.ModuleList(experts)
+        self.top_k, self.normalize, self.fp32_weights = top_k, normalize, fp32_weights
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router logits [..., E] -> (weights [T, k], experts [T, k] int64) over the T flattened tokens."""
+        logits = logits.reshape(-1, logits.shape[-1])
+        top, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        if self.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return (top if self.fp32_weights else top.to(logits.dtype)), chosen
+
+    def groups(self, chosen: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """chosen [T, k] -> (expert e, its tokens [n] ascending, their slots [n] in chosen.flatten()) for every
+        expert with n > 0 tokens, in expert order (one host sync for the counts)."""
+        flat = chosen.reshape(-1)  # slot s: token s // k, its (s % k)-th choice
+        order = flat.argsort(stable=True)
+        start = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
+            if n:
+                slots = order[start:start + n]
+                yield e, slots // self.top_k, slots
+            start += n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [*lead, H] -> [*lead, H]: sum over each token's k experts of weight * expert(x)."""
+        weights, chosen = self.select(self.gate(x))
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
+        out = torch.zeros_like(flat)
+        weights = weights.reshape(-1)  # [T * k]
+        for e, tokens, slots in self.groups(chosen):
+            y = self.experts[e](flat.index_select(0, tokens))  # [n, H]
+            out.index_add_(0, tokens, (y * weights[slots, None]).to(out.dtype))
+        return out.view(x.shape)

@@ -1,0 +1,280 @@
+"""Every family against transformers' own implementation (the independent reference).
+
+Per family a tiny random-weight checkpoint built by transformers from its config, norms and biases perturbed, saved
+with save_pretrained and loaded through quantkit's loader (so the checkpoint-name mapping is tested too): fp32 logits
+below and above the sliding window, greedy continuations equal to `generate`, MoE routing and token grouping, the
+per-layer attention facts, and RTN / GPTQ / AWQ end to end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from quantkit.config import CalibConfig, QuantScheme
+from quantkit.data import CalibData
+from quantkit.formats.checkpoint import save_checkpoint
+from quantkit.models import unsupported_by_paged_attention
+from quantkit.models.layers import MLP
+from quantkit.models.loader import load_model, load_state
+from quantkit.models.model import CausalLM
+from quantkit.models.registry import arch_spec
+from quantkit.quant.awq import AWQ
+from quantkit.quant.calibrate import calibrate, capture_stage, observed
+from quantkit.quant.qlinear import QLinear
+from quantkit.quant.scheme import dequantize
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
+
+WINDOW = 16  # sequences of 8 stay inside it, of 48 go past it
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None)  # no EOS: generate runs all its tokens
+LONGROPE = {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.3 * i for i in range(8)]}
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILIES = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # layer 1 slides
+    "qwen3": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "gemma2": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                              attn_logit_softcapping=1.0, final_logit_softcapping=5.0)),
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=6, sliding_window_pattern=3, head_dim=16, query_pre_attn_scalar=24,
+                                   sliding_window=WINDOW, rope_local_base_freq=100.0, rope_theta=10000.0,
+                                   final_logit_softcapping=5.0)),
+    "phi3": ("phi3", dict(sliding_window=WINDOW)),
+    "phi3-longrope": ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=32,
+                                   rope_scaling=LONGROPE)),  # 48 tokens switch to the long factors
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, shared_expert_intermediate_size=64, mlp_only_layers=[1], **MOE)),
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=4, norm_topk_prob=True, **MOE)),
+}
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+def hf_model(name: str) -> nn.Module:
+    model_type, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**BASE, **extra}), dtype=torch.float32)
+    with torch.no_grad():  # random biases and norms, so a missing term cannot hide behind zeros/ones
+        for pname, p in hf.named_parameters():
+            if "norm" in pname:  # Gemma stores w of (1 + w): centred on 0 there
+                p.normal_(mean=0.0 if model_type.startswith("gemma") else 1.0, std=0.1)
+            elif pname.endswith("bias"):
+                p.normal_(std=0.1)
+    return hf.eval()
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, bundled_dir):
+    """name -> (transformers model, quantkit Loaded) through save_pretrained + load_model, built once."""
+    root = tmp_path_factory.mktemp("families")
+    tokenizer = root / "tokenizer"
+    PreTrainedTokenizerFast.from_pretrained(bundled_dir).save_pretrained(tokenizer)
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            hf, folder = hf_model(name), root / name
+            hf.save_pretrained(folder)
+            for f in tokenizer.iterdir():
+                shutil.copy(f, folder)
+            cache[name] = hf, load_model(str(folder))
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@torch.no_grad()
+def test_logits_match_transformers_below_and_above_the_window(name, pairs):
+    hf, loaded = pairs(name)
+    for length in (8, 48):
+        ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(length))
+        got, expected = loaded.model(ids), hf(ids).logits
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0, msg=f"{name} at {length} tokens")
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "phi3-longrope"])  # HF switches its cache mid-way
+@torch.no_grad()
+def test_greedy_continuation_equals_generate(name, pairs):
+    hf, loaded = pairs(name)
+    g = torch.Generator().manual_seed(7)
+    for length in (3, 6, 11, 20):
+        ids = torch.randint(0, 128, (1, length), generator=g)
+        expected = hf.generate(ids, do_sample=False, max_new_tokens=32)
+        for _ in range(32):  # the dense path: the whole sequence again each step
+            ids = torch.cat([ids, loaded.model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(ids, expected), name
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+@torch.no_grad()
+def test_moe_routes_and_groups_tokens_like_transformers(name, pairs):
+    hf, loaded = pairs(name)
+    ours, moe_name = loaded.model, loaded.model.family.ffn_name
+    theirs, mine, rows = [], [], []  # per sparse layer: HF (weights, experts); ours; each expert's input rows
+    handles = []
+    for i in loaded.model.config.sparse_layers:
+        hf_router = hf.model.layers[i].mlp.gate
+        handles.append(hf_router.register_forward_hook(lambda m, a, out: theirs.append((out[1], out[2]))))
+        moe = getattr(ours.model.layers[i], moe_name)
+        handles.append(moe.register_forward_pre_hook(lambda m, a: mine.append((m, a[0].reshape(-1, a[0].shape[-1])))))
+        for e, expert in enumerate(moe.experts):
+            handles.append(expert.register_forward_pre_hook(lambda m, a, e=e: rows.append((e, a[0]))))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    try:
+        hf(ids), ours(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(theirs) == len(mine) == len(ours.config.sparse_layers)
+    calls = iter(rows)
+    for (hf_weights, hf_experts), (moe, x) in zip(theirs, mine):
+        weights, chosen = moe.select(moe.gate(x))
+        torch.testing.assert_close(chosen, hf_experts, atol=0, rtol=0)
+        torch.testing.assert_close(weights, hf_weights, atol=1e-6, rtol=0)
+        for e in sorted(set(chosen.flatten().tolist())):  # one call per active expert, on exactly its tokens
+            called, inputs = next(calls)
+            tokens = (chosen == e).any(dim=1).nonzero().flatten()
+            assert called == e and torch.equal(inputs, x[tokens])
+    assert next(calls, None) is None
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@torch.no_grad()
+def test_fused_3d_experts_split_into_per_expert_linears(name, pairs):
+    """transformers 5's in-memory state_dict stores experts as [E, 2I, H] / [E, H, I] tensors (models/keys.py)."""
+    hf, loaded = pairs(name)
+    assert any(k.endswith("experts.gate_up_proj") for k in hf.state_dict())
+    with torch.device("meta"):
+        model = CausalLM(loaded.model.config)
+    load_state(model, hf.state_dict(), "memory", torch.float32)
+    ids = torch.randint(0, 128, (1, 20))
+    torch.testing.assert_close(model.eval()(ids), hf(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_attention_facts_are_data_and_the_paged_path_refuses_what_it_cannot_run(pairs):
+    specs = {name: pairs(name)[1].model.attention_specs for name in ("llama", "gemma2", "gemma3", "qwen2")}
+    assert {(s.scale, s.sliding_window, s.logit_softcap) for s in specs["llama"]} == {(0.25, None, None)}
+    assert [(s.sliding_window, s.logit_softcap) for s in specs["gemma2"]] == [(WINDOW, 1.0), (None, 1.0)]
+    assert [s.sliding_window for s in specs["gemma3"]] == [WINDOW, WINDOW, None] * 2  # 2 local : 1 global here
+    assert all(s.scale == pytest.approx(24 ** -0.5) for s in specs["gemma3"])
+    assert [s.sliding_window for s in specs["qwen2"]] == [None, WINDOW]
+    gemma3 = pairs("gemma3")[1].model
+    assert gemma3.model.layers[0].rotary is not gemma3.model.layers[2].rotary  # local vs global RoPE base
+    assert unsupported_by_paged_attention(pairs("llama")[1].model) is None
+    assert unsupported_by_paged_attention(pairs("qwen3_moe")[1].model) is None
+    for name, words in (("mistral", "sliding window of 16"), ("gemma2", "sliding window"),
+                        ("phi3-longrope", "longrope")):
+        reason = unsupported_by_paged_attention(pairs(name)[1].model)
+        assert reason is not None and words in reason and pairs(name)[1].model.family.name in reason, reason
+
+
+def test_geglu_is_not_fused_as_swiglu(pairs):
+    """serve/prepare.py fuses gate/up with a SiLU epilogue only into modules whose type is exactly MLP."""
+    model = pairs("gemma2")[1].model
+    assert not any(type(m) is MLP for m in model.modules())
+    assert sum(type(m) is MLP for m in pairs("qwen2_moe")[1].model.modules()) == 4 + 1 + 1  # experts, shared, dense
+
+
+def kl(reference: torch.Tensor, candidate: torch.Tensor) -> float:
+    """Mean over tokens of KL(softmax(reference) || softmax(candidate)), logits [..., V]."""
+    p = F.log_softmax(reference, -1)
+    return float((p.exp() * (p - F.log_softmax(candidate, -1))).sum(-1).mean())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@torch.no_grad()
+def test_rtn_gptq_awq_run_on_every_family(name, pairs):
+    _, loaded = pairs(name)
+    g = torch.Generator().manual_seed(11)
+    calib = CalibData(torch.randint(0, 128, (12, 32), generator=g), None, torch.full((12,), 32), {}, f"tiny-{name}")
+    held_out = torch.randint(0, 128, (4, 40), generator=g)
+    reference = loaded.model(held_out)
+    spec = arch_spec(loaded.model.config.model_type)
+    divergence = {}
+    for method in ("rtn", "gptq", "awq"):
+        model = copy.deepcopy(loaded.model)
+        cfg = CalibConfig.from_flat({"method": method, "group_size": 32, "num_samples": 12, "seq_len": 32})
+        report = calibrate(model, loaded.hf_config, calib if method != "rtn" else None, cfg, progress=False)
+        quantized = {n for n, m in model.named_modules() if isinstance(m, QLinear)}
+        expected = {f"model.layers.{i}.{n}" for i, block in enumerate(model.model.layers)
+                    for n in spec.in_block(block).linears}
+        assert quantized == expected == {e["name"] for e in report}, method
+        assert all(torch.isfinite(dequantize(m.qtensor())).all() for m in model.modules() if isinstance(m, QLinear))
+        assert not any(isinstance(m, QLinear) for n, m in model.named_modules() if n.endswith(("gate", "_gate")))
+        divergence[method] = kl(reference, model(held_out))
+    assert divergence["gptq"] <= divergence["rtn"] and divergence["awq"] <= divergence["rtn"], divergence
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mixtral", "qwen2_moe"])
+@torch.no_grad()
+def test_awq_folding_keeps_logits(name, pairs):
+    """Gemma's norms scale by (1 + w); an MoE block's router (and shared-expert gate) is scaled with its experts."""
+    model = copy.deepcopy(pairs(name)[1].model)
+    spec = arch_spec(model.config.model_type)
+    awq = AWQ(QuantScheme(4, 32, sym=False), spec, n_grid=4)
+    ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(5))
+    reference, x, positions = model(ids), model.embed(ids), torch.arange(24)
+    for block in model.model.layers:
+        bspec = spec.in_block(block)
+        names = list(bspec.linears)
+        stats = capture_stage(block, observed(names, bspec), x, torch.ones(ids.shape, dtype=torch.bool), positions,
+                              awq.needs, 4, "", "cpu", bspec.router)
+        awq.search_and_fold(block, names, stats)
+        x = block(x, positions)
+    torch.testing.assert_close(model(ids), reference, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_an_expert_no_token_reaches_falls_back_to_rtn(pairs):
+    model = copy.deepcopy(pairs("mixtral")[1].model)
+    moe = model.model.layers[0].block_sparse_moe
+    router = nn.Linear(64, 4, bias=True)  # expert 3 is never among the top 2
+    router.weight.copy_(moe.gate.weight)
+    router.bias.copy_(torch.tensor([0.0, 0.0, 0.0, -1e4]))
+    moe.gate = router
+    calib = CalibData(torch.randint(0, 128, (12, 32), generator=torch.Generator().manual_seed(2)), None,
+                      torch.full((12,), 32), {}, "tiny-unrouted")
+    for method in ("gptq", "awq"):
+        quantized = copy.deepcopy(model)
+        cfg = CalibConfig.from_flat({"method": method, "group_size": 32, "num_samples": 12, "seq_len": 32})
+        report = {e["name"]: e for e in calibrate(quantized, pairs("mixtral")[1].hf_config, calib, cfg, progress=False)}
+        for part in ("w1", "w2", "w3"):
+            entry = report[f"model.layers.0.block_sparse_moe.experts.3.{part}"]
+            assert entry["tokens"] == 0 and entry["fallback"] and entry["no_tokens"], (method, entry)
+        assert report["model.layers.0.block_sparse_moe.experts.2.w1"]["tokens"] > 0
+        assert not any(e.get("fallback") for n, e in report.items() if ".experts.3." not in n or "layers.1" in n)
+        assert torch.isfinite(quantized(calib.input_ids[:2])).all()
+        unrouted = quantized.get_submodule("model.layers.0.block_sparse_moe.experts.3.w2")
+        assert torch.isfinite(dequantize(unrouted.qtensor())).all()
+
+
+@pytest.mark.parametrize("name, layout", [("mixtral", "gptq"), ("qwen2_moe", "awq"),
+                                          ("qwen3_moe", "compressed-tensors"), ("phi3", "gptq_v2"), ("gemma3", "gptq")])
+@torch.no_grad()
+def test_quantized_checkpoints_round_trip_with_routers_left_float(name, layout, pairs, tmp_path):
+    _, loaded = pairs(name)
+    model = copy.deepcopy(loaded.model)
+    cfg = CalibConfig.from_flat({"method": "rtn", "group_size": 32, "sym": layout == "gptq", "format": layout})
+    calibrate(model, loaded.hf_config, None, cfg, progress=False)
+    out = save_checkpoint(tmp_path / "q", model, loaded.hf_config, loaded.tokenizer, layout, {"method": "rtn"})
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    floats = {n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"}
+    assert bool(floats) == (name in MOE_FAMILIES) and all(n.endswith(("gate", "shared_expert_gate")) for n in floats)
+    listed = json.dumps(qcfg.get("dynamic") or qcfg.get("modules_to_not_convert") or qcfg.get("ignore"))
+    listed = listed.replace("\\\\", "")  # GPTQ's dynamic keys are escaped regexes
+    assert all(n in listed for n in floats), listed
+    if layout.startswith("gptq"):
+        assert not any("{e}" in n for stage in qcfg["modules_in_block_to_quantize"] for n in stage)
+    ids = torch.randint(0, 128, (2, 20))
+    torch.testing.assert_close(load_model(str(out)).model(ids), model(ids), atol=1e-4, rtol=0)
