@@ -4,6 +4,8 @@ One API request becomes one engine request per prompt (n completions each; choic
 completion index). The engine yields cumulative RequestOutputs whose text already has stop strings removed and
 held back, so a stream sends `text[len(sent):]` each step and a stop string never leaks across chunks. Leaving
 early (client disconnect, error, cancellation) aborts every unfinished engine request so its KV blocks are freed.
+Parsing, tokenizing and chat templates run in Serving's thread pool (`offload`), never on the event loop: the Rust
+tokenizer releases the GIL, so a prompt of megabytes stalls no other client.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from quantkit.serve.api_logprobs import TokenTexts
-from quantkit.serve.async_engine import EngineDeadError
+from quantkit.serve.async_engine import EngineDeadError, RequestFailedError
 from quantkit.serve.metrics import RequestTracker, ServerMetrics
 from quantkit.serve.outputs import RequestOutput
 from quantkit.serve.protocol import (
@@ -31,6 +34,8 @@ from quantkit.serve.validation import ValidRequest, fitting_max_tokens, validate
 logger = logging.getLogger("quantkit.serve.api")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+PREPARE_THREADS = 4  # requests parsed, tokenized and templated at once; more wait their turn
+UNKNOWN_FIELDS_LOGGED = 20
 
 
 @dataclass
@@ -49,11 +54,17 @@ class Serving:
         self.token_ids_as_texts = TokenTexts(self.tokenizer, as_ids=True)
         self.vocab_size = len(self.tokenizer)  # the ids the tokenizer decodes
         self.prompt_vocab_size = min(self.vocab_size, self.engine.vocab_size)  # ... that the model embeds too
+        self.pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="quantkit-prepare")
+
+    async def offload(self, fn):
+        """fn() in the pool, awaited: CPU work on a request (parse, tokenize, template) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
 
     def validated(self, token_ids: list[int], params: SamplingParams) -> ValidRequest:
         """The one check of an engine request (validation.py), against this server's limits. InvalidRequest becomes
         a 400 naming the field (api.py)."""
-        return validate_request(token_ids, params, self.prompt_vocab_size, self.max_model_len)
+        return validate_request(token_ids, params, self.prompt_vocab_size, self.max_model_len,
+                                self.engine.max_num_seqs)
 
 
 @dataclass
@@ -74,9 +85,39 @@ def check_model(serving: Serving, name: str | None) -> None:
         raise APIError(404, f"The model `{name}` does not exist.", "model")
 
 
-def log_unknown_fields(request: SamplingFields) -> None:
-    if request.model_extra:
-        logger.info("ignoring unknown request fields: %s", ", ".join(sorted(request.model_extra)))
+# OpenAI / vLLM request fields with a meaning this server does not implement: a client that sets one expects its
+# effect (a JSON answer, a tool call, a bias), so it is a 400 naming the field, never a silent drop. A value that
+# asks for nothing (null, empty, the default) passes. Fields neither API defines are logged and ignored (SERVING.md).
+UNSUPPORTED_FIELDS = {
+    "response_format": ({"type": "text"},), "tools": (), "tool_choice": ("none", "auto"), "functions": (),
+    "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "logit_bias": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "best_of": (1,), "use_beam_search": (False,), "suffix": ("",), "prediction": (), "modalities": (["text"],),
+    "audio": (),
+}
+
+
+def check_extra_fields(request: SamplingFields) -> None:
+    """400 for a set field this server does not implement (UNSUPPORTED_FIELDS); log the unknown ones."""
+    if not request.model_extra:
+        return
+    for name, value in request.model_extra.items():
+        if name in UNSUPPORTED_FIELDS and value not in (None, [], {}, *UNSUPPORTED_FIELDS[name]):
+            raise APIError(400, f"`{name}` is not supported by this server", name)
+    unknown = [n for n in request.model_extra if n not in UNSUPPORTED_FIELDS]
+    if unknown:
+        names = sorted(unknown)
+        more = f" (and {len(names) - UNKNOWN_FIELDS_LOGGED} more)" if len(names) > UNKNOWN_FIELDS_LOGGED else ""
+        logger.info("ignoring unknown request fields: %s%s", ", ".join(n[:64] for n in names[:UNKNOWN_FIELDS_LOGGED]),
+                    more)
+
+
+def tokenize_text(serving: Serving, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of `text`; what the tokenizer cannot take is a 400 naming the request field it came from."""
+    try:
+        return serving.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+    except Exception as e:
+        raise APIError(400, f"{field}: could not be tokenized: {e}", field) from None
 
 
 def completion_prompts(serving: Serving, request: CompletionRequest, params: SamplingParams) -> list[Prompt]:
@@ -89,7 +130,7 @@ def completion_prompts(serving: Serving, request: CompletionRequest, params: Sam
         raise APIError(400, "prompt: must not be empty", "prompt")
     prompts = []
     for item in raw:
-        token_ids = serving.tokenizer(item).input_ids if isinstance(item, str) else item
+        token_ids = tokenize_text(serving, item, "prompt") if isinstance(item, str) else item
         valid = serving.validated(token_ids, params)
         prompts.append(Prompt(valid, item if isinstance(item, str) else serving.tokenizer.decode(item)))
     return prompts
@@ -112,7 +153,7 @@ def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> tuple[list[
         )
     except Exception as e:  # jinja2 TemplateError or ValueError from transformers: the request's fault
         raise APIError(400, f"messages: the chat template could not render them: {e}", "messages") from None
-    token_ids = serving.tokenizer(text, add_special_tokens=False).input_ids
+    token_ids = tokenize_text(serving, text, "messages", add_special_tokens=False)
     if not token_ids:
         raise APIError(400, "messages: render to an empty prompt", "messages")
     return token_ids, text
@@ -201,6 +242,8 @@ class Generation:
                 yield i, out
         except ValueError as e:  # the engine refused the request (its id is in use)
             raise APIError(400, str(e)) from None
+        except RequestFailedError as e:  # a step running it raised: the engine logged it and goes on
+            raise APIError(500, f"The engine failed while running the request: {e}") from None
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
         finally:
@@ -255,7 +298,7 @@ async def stream_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def prepare_completion(serving: Serving, request: CompletionRequest) -> tuple[str, Generation]:
     check_model(serving, request.model)
-    log_unknown_fields(request)
+    check_extra_fields(request)
     if request.suffix is not None:
         raise APIError(400, "suffix: is not supported", "suffix")
     requested = request.requested_max_tokens()
@@ -360,7 +403,7 @@ def _usage(generation: Generation, outputs) -> UsageInfo:
 
 def prepare_chat(serving: Serving, request: ChatCompletionRequest) -> tuple[str, Generation]:
     check_model(serving, request.model)
-    log_unknown_fields(request)
+    check_extra_fields(request)
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
     token_ids, text = chat_prompt(serving, request)

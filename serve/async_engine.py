@@ -2,7 +2,9 @@
 
 EngineFrontend keeps the per-request streams: `generate` validates a request (validation.py) and yields cumulative
 RequestOutputs from an asyncio.Queue of the caller's event loop; `generate_validated` is the same for a request
-validated already (the HTTP API's). A step's outputs reach each loop in one wake-up. Two back ends:
+validated already (the HTTP API's). A step's outputs reach each loop in one wake-up. A step that raises fails
+only the requests it ran (their streams raise RequestFailedError; LLMEngine.guarded_step); an engine that stops
+for good ends every stream with EngineDeadError and sets `errored`. Two back ends:
   AsyncLLMEngine: the LLMEngine stepped by a background thread of this process. Calls from any thread (add,
     abort, shutdown) are queued and applied by the engine thread between steps, so an abort frees its blocks
     before the next step runs. Simple and embeddable, but the engine shares the GIL with the event loop.
@@ -34,15 +36,19 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
 
 
 class EngineDeadError(RuntimeError):
-    """The engine stopped because a step raised (or its process died); the server should report unhealthy."""
+    """The engine stopped because its steps kept failing (or its process died); the server should exit."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step running this request raised; the engine aborted the request and goes on with the others."""
 
 
 class EngineFrontend:
     """The streams of in-flight requests. Subclasses deliver requests to an engine: _send_add, _send_abort,
     _alive, shutdown; and hand back its outputs through _deliver_step / _close / _fail_all."""
 
-    def __init__(self, vocab_size: int, max_model_len: int, stats: dict):
-        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+    def __init__(self, vocab_size: int, max_model_len: int, max_num_seqs: int, stats: dict):
+        self.vocab_size, self.max_model_len, self.max_num_seqs = vocab_size, max_model_len, max_num_seqs
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
@@ -72,7 +78,8 @@ class EngineFrontend:
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes. InvalidRequest (a ValueError, before any output) for
         a bad request; otherwise as generate_validated."""
-        request = validate_request(prompt_token_ids, params or SamplingParams(), self.vocab_size, self.max_model_len)
+        request = validate_request(prompt_token_ids, params or SamplingParams(), self.vocab_size, self.max_model_len,
+                                   self.max_num_seqs)
         async with aclosing(self.generate_validated(request_id, request, prompt)) as outputs:
             async for out in outputs:
                 yield out
@@ -142,6 +149,11 @@ class EngineFrontend:
             except RuntimeError:  # the caller's loop is closed: nobody is listening any more
                 log.debug("dropping outputs for a closed event loop")
 
+    def _fail(self, failed: dict[str, str]) -> None:
+        """End the streams of requests a failing step aborted ({request id: error})."""
+        for request_id, message in failed.items():
+            self._close(request_id, RequestFailedError(message))
+
     def _fail_all(self, item) -> None:
         """End every open stream with `item` (_END, or the error every waiting caller gets)."""
         with self._lock:
@@ -152,7 +164,7 @@ class EngineFrontend:
 
 class AsyncLLMEngine(EngineFrontend):
     def __init__(self, engine: LLMEngine):
-        super().__init__(engine.vocab_size, engine.max_model_len, engine.stats())
+        super().__init__(engine.vocab_size, engine.max_model_len, engine.cfg.max_num_seqs, engine.stats())
         self.engine = engine
         self._ops: list[Callable[[], None]] = []  # applied by the engine thread, in order
         self._wake = threading.Event()
@@ -219,12 +231,13 @@ class AsyncLLMEngine(EngineFrontend):
                     self._stats = engine.stats()
                     self._wake.wait()
                     continue
-                outputs = engine.step()
+                outputs, failed = engine.guarded_step()
                 self._stats = engine.stats()
+                self._fail(failed)
                 self._deliver_step(outputs)
         except BaseException as e:  # the engine is dead: every waiting caller gets the error
             self.errored = e
-            log.exception("engine step failed; the engine is stopped")
+            log.exception("engine steps keep failing; the engine is stopped")
             self._fail_all(EngineDeadError(f"the engine failed: {e!r}"))
         finally:
             self._stats = engine.stats()

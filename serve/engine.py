@@ -9,10 +9,16 @@
 A request is a Request with n Sequences; blocks of finished or aborted sequences return to the pool in the same
 step. Requests arrive validated (validation.py: the entry points check them, the engine trusts them). Everything
 here runs on one thread (AsyncLLMEngine drives it from a background thread).
+
+The drivers call guarded_step(): a step that raises (a request some bound missed, a kernel error) fails the requests
+it was running, logs one traceback, and the engine goes on with the others; MAX_FAILED_STEPS failures in a row
+mean the engine itself is broken, and the error is raised (the engine stops; the server exits).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 
 import torch
@@ -29,6 +35,10 @@ from quantkit.serve.scheduler import Scheduler
 from quantkit.serve.sequence import Request, SequenceStatus
 from quantkit.serve.speculative import build_speculator
 from quantkit.serve.validation import ValidRequest
+
+log = logging.getLogger("quantkit.serve")
+
+MAX_FAILED_STEPS = 5
 
 
 class LLMEngine:
@@ -54,7 +64,8 @@ class LLMEngine:
             draft_kv = kv_bytes_per_token(draft_model.config, torch.empty((), dtype=self.dtype).element_size())
         self.runner = ModelRunner(model, self.cfg, self.device, self.dtype, self.max_model_len,
                                   shared_kv_bytes_per_token=draft_kv)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
+                                          self.runner.kv_window if draft_model is None else None)  # a draft reads all
         self.speculator = build_speculator(self.cfg, self.runner, self.block_manager, self.max_model_len, draft_model)
         self.scheduler = Scheduler(self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
         self.sampler = Sampler(self.eos_token_ids, self.cfg.seed)
@@ -63,6 +74,7 @@ class LLMEngine:
                                     self.cfg.log_stats_interval)
         self.postprocessor = Postprocessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler,
                                            self.speculator, self.requests, self.counters)
+        self.failed_steps = 0  # in a row
 
     # ---- requests
     def add_request(self, request_id: str, request: ValidRequest, prompt: str | None = None,
@@ -106,6 +118,28 @@ class LLMEngine:
         self.counters.record_step(sched.num_batched_tokens)
         self.counters.maybe_log()
         return [request.output() for request in touched]
+
+    def guarded_step(self) -> tuple[list[RequestOutput], dict[str, str]]:
+        """step(), and when it raises, (no outputs, {failed request id: error}) for the requests it was running
+        (or, running none, the one it was scheduling: the head of the queue). Their state may be half updated, so
+        they are aborted, and the prefix cache is forgotten (blocks cached for the step may never have had their KV
+        written). The other waiting requests stay queued. Raises after MAX_FAILED_STEPS failures in a row."""
+        try:
+            outputs = self.step()
+        except Exception as e:
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise
+            seqs = self.scheduler.running or list(itertools.islice(self.scheduler.waiting, 1))
+            failed = list(dict.fromkeys(seq.request.request_id for seq in seqs))
+            log.exception("engine step failed: failing the %d requests it ran (%s) and going on", len(failed),
+                          ", ".join(failed))
+            for request_id in failed:
+                self.abort_request(request_id)
+            self.block_manager.reset_prefix_cache()
+            return [], dict.fromkeys(failed, f"{type(e).__name__}: {e}")
+        self.failed_steps = 0
+        return outputs, {}
 
     # ---- state
     def stats(self) -> dict:

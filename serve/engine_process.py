@@ -9,6 +9,7 @@ Wire: one socketpair, pickled tuples (multiprocessing.connection framing).
                    | ("shutdown", abort_inflight)
   child -> server: ("ready", vocab_size, max_model_len, stats) | ("failed", message)   (once, at start)
                    ("step", [RequestOutput], stats) after every step | ("stats", stats) when it goes idle
+                   ("errored", {request_id: message}) before the "step" of a step that raised (those failed)
                    ("refused", request_id, message) | ("dead", message) | ("stopped", stats)   (the last)
 The child applies every message that has arrived before it runs the next step, so an abort frees its blocks
 before that step, as in the in-process engine.
@@ -40,7 +41,7 @@ class EngineProcess(EngineFrontend):
 
     def __init__(self, model: str | None, config: EngineConfig, log_level: str = "info"):
         """Starts the child, which loads the model meanwhile; call wait_ready() before anything else."""
-        super().__init__(0, 0, {})
+        super().__init__(0, 0, config.max_num_seqs, {})
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "quantkit.serve.engine_process", str(theirs.fileno())],
                                       pass_fds=[theirs.fileno()])
@@ -120,6 +121,8 @@ class EngineProcess(EngineFrontend):
                     self._stats = rest[0]
                     if kind == "stopped":
                         break
+                elif kind == "errored":
+                    self._fail(rest[0])
                 elif kind == "refused":
                     self._close(rest[0], ValueError(rest[1]))
                 else:  # "dead"
@@ -180,14 +183,17 @@ def serve_forever(engine, conn: Connection) -> None:
             if not engine.has_unfinished():
                 conn.send(("stats", engine.stats()))
             continue
-        outputs = engine.step()
+        outputs, failed = engine.guarded_step()
+        if failed:
+            conn.send(("errored", failed))
         conn.send(("step", outputs, engine.stats()))
 
 
 def main(fd: int) -> int:
     from quantkit.serve.llm import build_engine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us itself
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, systemd and `timeout` signal the whole group: the
+        signal.signal(sig, signal.SIG_IGN)  # server drains and then stops us itself (we exit when it is gone)
     keep_freed_memory()
     conn = Connection(fd)
     model, engine_kwargs, log_level = conn.recv()
@@ -207,7 +213,7 @@ def main(fd: int) -> int:
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the server process is gone: nothing to serve
         return 0
     except Exception as e:
-        log.exception("engine step failed; the engine is stopped")
+        log.exception("engine steps keep failing; the engine is stopped")
         try:
             conn.send(("dead", f"{type(e).__name__}: {e}"))
         except OSError:

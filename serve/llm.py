@@ -73,7 +73,8 @@ class LLM:
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
         requests = [validate_request(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, p,
-                                     engine.vocab_size, engine.max_model_len) for prompt, p in zip(prompts, params)]
+                                     engine.vocab_size, engine.max_model_len, engine.cfg.max_num_seqs)
+                    for prompt, p in zip(prompts, params)]
         order = []
         for prompt, request in zip(prompts, requests):
             rid = f"offline-{next(self._ids)}"

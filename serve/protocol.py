@@ -1,17 +1,38 @@
 """The OpenAI wire format (as vLLM's server speaks it): request models, response models, the error body.
 
-Requests: unknown fields are accepted and ignored (the handler logs them); numeric fields are strict (a string or
-a bool where a number belongs is a 400 naming the field). Responses are plain pydantic models dumped to JSON.
+Requests: parse_request takes the raw body. It must be JSON (no NaN or Infinity, no number beyond a double), an
+object, nested at most MAX_JSON_DEPTH levels, every string valid Unicode (a lone surrogate such as "\\ud800" is
+refused: no tokenizer or encoder takes it); names (model, user, role) hold at most MAX_NAME_CHARS characters.
+Unknown fields are accepted and ignored (the handler logs them); numeric fields are strict (a string or a bool
+where a number belongs is a 400 naming the field). Responses are plain pydantic models dumped to JSON.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_serializer
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationError, model_serializer,
+)
 
 from quantkit.serve.sampling_params import MAX_LOGPROBS
+
+# The default --max-request-bytes. A prompt is bounded by max_model_len tokens anyway: 128K tokens are about 1 MB
+# as token ids or as escaped non-ASCII text; 4 MiB leaves room for a batch of prompts and refuses, before
+# parsing, a body that could only be too long after seconds of tokenizing.
+MAX_REQUEST_BYTES = 4 << 20
+# Levels of arrays and objects in a body: OpenAI's bodies nest under 10 (a tool's JSON schema a little deeper);
+# Python's parser fails near 1000, and every walk over the request (validation, templates, logging) recurses.
+MAX_JSON_DEPTH = 64
+MAX_NAME_CHARS = 1024  # model, user, message role and name, content part type
+
+Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800-\udfff in JSON text: a surrogate, maybe unpaired
+
 
 class APIError(Exception):
     """A request the server refuses: becomes `{"error": {...}}` with `status`."""
@@ -25,7 +46,8 @@ class APIError(Exception):
     @property
     def type(self) -> str:
         return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 503: "ServiceUnavailableError"}.get(self.status, "InternalServerError")
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                503: "ServiceUnavailableError"}.get(self.status, "InternalServerError")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
@@ -42,7 +64,7 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: Name | None = None
     max_tokens: int | None = Field(default=None, strict=True, ge=1)
     max_completion_tokens: int | None = Field(default=None, strict=True, ge=1)
     temperature: float | None = Field(default=None, strict=True, ge=0.0)
@@ -62,7 +84,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     skip_special_tokens: StrictBool = True
     return_tokens_as_token_ids: StrictBool = False  # vLLM's extension: logprob tokens as "token_id:{id}"
-    user: str | None = None
+    user: Name | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -80,15 +102,15 @@ class CompletionRequest(SamplingFields):
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: Name
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Name
     content: Union[str, list[ContentPart], None] = None
-    name: str | None = None
+    name: Name | None = None
 
     def text(self) -> str:
         """The message content as one string (text parts concatenated)."""
@@ -110,7 +132,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    model: str | None = None
+    model: Name | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
@@ -119,14 +141,22 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    model: str | None = None
+    model: Name | None = None
     tokens: list[StrictInt]
 
 
-def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
-    """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
+def parse_request(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
+    """Decode and validate a request body; the first problem becomes a 400 naming the field."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise _too_deep(None) from None
+    except ValueError as e:  # also bytes that are not UTF-8 and integers of more digits than Python converts
+        raise APIError(400, f"The request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
+    _check_body(body, strings=SURROGATE_ESCAPE.search(text) is not None)
     try:
         return model_cls.model_validate(body)
     except ValidationError as e:
@@ -136,6 +166,49 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
             raise APIError(400, "prompt: must be a string, a list of strings, a list of token ids or a list of "
                                 f"lists of token ids (got {_short(body.get('prompt'))})", param) from None
         raise APIError(400, f"{param or 'body'}: {err['msg']} (got {_short(err.get('input'))})", param) from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is beyond the range of a double")
+    return value
+
+
+def _too_deep(field: str | None) -> APIError:
+    return APIError(400, f"The request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of arrays and "
+                         "objects.", field)
+
+
+def _check_body(body: dict, strings: bool) -> None:
+    """Walk the body without recursing: nesting within MAX_JSON_DEPTH; with `strings`, every key and string valid
+    Unicode too (only an escape can make a lone surrogate, so a body without one skips that)."""
+    for field, value in body.items():
+        stack = [(field, 1), (value, 2)]  # (item, its level if it is a container); the body is level 1
+        while stack:
+            item, depth = stack.pop()
+            if isinstance(item, str):
+                if not item.isascii() and not _is_unicode(item):
+                    name = field if _is_unicode(field) else None
+                    raise APIError(400, f"{name or 'a field name'}: holds a lone surrogate (an unpaired "
+                                        "\\ud800-\\udfff escape); send valid Unicode text", name)
+            elif isinstance(item, (list, dict)):
+                if depth > MAX_JSON_DEPTH:
+                    raise _too_deep(field)
+                children = item if isinstance(item, list) else [*item.keys(), *item.values()]
+                stack.extend((child, depth + 1) for child in children if strings or isinstance(child, (list, dict)))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_union_tag(part) -> bool:

@@ -9,6 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top logprobs per token the engine will return (OpenAI's limit for chat top_logprobs)
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # vLLM's: a signed 64-bit integer (torch.Generator takes it)
+# Stop conditions are checked on every token of every sequence: a request may bring at most MAX_STOP stop strings
+# (OpenAI allows 4) of at most MAX_STOP_CHARS characters each, and at most MAX_STOP stop token ids.
+MAX_STOP = 32
+MAX_STOP_CHARS = 256
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32: a larger number would be inf there (and NaN)
 
 
 @dataclass
@@ -73,12 +79,20 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+                raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (a signed 64-bit integer), "
+                                 f"got {self.seed}.")
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty.")
+        if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop must hold at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters, got "
+                             f"{len(self.stop)}, the longest of {max(map(len, self.stop))}.")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")
+        if len(self.stop_token_ids) > MAX_STOP:
+            raise ValueError(f"stop_token_ids must hold at most {MAX_STOP} ids, got {len(self.stop_token_ids)}.")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
@@ -118,3 +132,5 @@ def _check_int(name: str, value) -> None:
 def _check_number(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}.")
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be at most {FLOAT32_MAX:.6g} in magnitude, got {value!r}.")

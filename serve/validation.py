@@ -3,8 +3,10 @@
 Entry points: the HTTP API (api_generate.py), `quantkit.LLM` (llm.py) and the front ends' `generate`
 (AsyncLLMEngine, EngineProcess) call validate_request; LLMEngine.add_request takes its ValidRequest as is.
 validate_request checks, in this order: the prompt holds a token, every id is in the vocabulary, the sampling
-parameters (SamplingParams.validate), and prompt + max_tokens fits max_model_len (vLLM's message, byte for byte:
-clients parse it). A refusal is an InvalidRequest naming the request field at fault (the HTTP error's `param`).
+parameters (SamplingParams.validate), what the engine can run (top_k at most the vocabulary, n at most the
+sequences it runs at once: a larger n could never be scheduled and would hold up the queue behind it), and
+prompt + max_tokens fits max_model_len (vLLM's message, byte for byte: clients parse it). A refusal is an
+InvalidRequest naming the request field at fault (the HTTP error's `param`).
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
         raise InvalidRequest(f"{field}: token id {bad} is out of vocabulary (size {vocab_size})", field)
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                     max_model_len: int) -> ValidRequest:
-    """The request as the engine may run it, or InvalidRequest (the first problem found)."""
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                     max_num_seqs: int) -> ValidRequest:
+    """The request as the engine may run it, or InvalidRequest (the first problem found). max_num_seqs: the
+    engine's (a request's n sequences must fit in one batch, or it could never be scheduled)."""
     ids = list(prompt_token_ids)
     if not ids:
         raise InvalidRequest("prompt: must contain at least one token", "prompt")
@@ -59,6 +62,12 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
         params.validate()
     except ValueError as e:  # the message starts with the field's name
         raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
+    if params.top_k > vocab_size:
+        raise InvalidRequest(f"top_k must be at most the vocabulary size {vocab_size} (-1 or 0: no top-k), "
+                             f"got {params.top_k}.", "top_k")
+    if params.n > max_num_seqs:
+        raise InvalidRequest(f"n must be at most {max_num_seqs}, the sequences the engine runs at once "
+                             f"(--max-num-seqs), got {params.n}.", "n")
     requested = 1 if params.max_tokens is None else params.max_tokens  # None: at least one output token
     if len(ids) + requested > max_model_len:
         raise InvalidRequest(context_length_message(max_model_len, requested, len(ids)), "max_tokens")

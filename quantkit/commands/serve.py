@@ -42,6 +42,10 @@ def serve(
                    "method, 8 for ngram, 1 for a draft model)"),
     ngram_prompt_lookup_max: int = typer.Option(4, help="Longest n-gram matched by --speculative-method ngram"),
     ngram_prompt_lookup_min: int = typer.Option(2, help="Shortest n-gram matched by --speculative-method ngram"),
+    max_request_bytes: int = typer.Option(4 << 20, help="Largest request body, in bytes: a larger one is refused "
+                                                         "with a 413 before it is parsed"),
+    shutdown_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get to finish after SIGTERM "
+                                                      "(new ones get a 503); the rest are then aborted"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
 ) -> None:
     """Serve a model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics, ...)."""
@@ -59,6 +63,6 @@ def serve(
     options = ServerOptions(
         model=model, host=host, port=port, served_model_name=served_model_name,
         api_key=api_key or os.environ.get("QUANTKIT_API_KEY") or None, chat_template=chat_template,
-        log_level=log_level,
+        log_level=log_level, max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
     )
     raise typer.Exit(run_server(options, engine_config))

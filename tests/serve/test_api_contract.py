@@ -434,10 +434,12 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path, bundled):
                 time.sleep(0.1)
         assert httpx.get(base + "/v1/models").status_code == 401
         assert [m["id"] for m in httpx.get(base + "/v1/models", headers=auth).json()["data"]] == ["tiny-chat"]
-        rendered = httpx.post(base + "/tokenize", json={"messages": CHAT}).json()["tokens"]
+        assert httpx.post(base + "/tokenize", json={"messages": CHAT}).status_code == 401
+        rendered = httpx.post(base + "/tokenize", json={"messages": CHAT}, headers=auth).json()["tokens"]
         expected = f"<<user>>{CHAT[0]['content']}\n<<assistant>>"
         assert rendered == bundled.tokenizer(expected, add_special_tokens=False).input_ids
-        bare = httpx.post(base + "/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()
+        bare = httpx.post(base + "/tokenize", json={"messages": CHAT, "add_generation_prompt": False},
+                          headers=auth).json()
         without_prompt = expected[:-len("<<assistant>>")]
         assert bare["tokens"] == bundled.tokenizer(without_prompt, add_special_tokens=False).input_ids
         events: list[str] = []

@@ -68,7 +68,8 @@ def _dense_greedy(model, prompt, max_tokens):
 
 def add(engine, request_id, prompt, params):
     """Queue a request the way the entry points do: validated first, then handed to the engine."""
-    engine.add_request(request_id, validate_request(prompt, params, engine.vocab_size, engine.max_model_len))
+    engine.add_request(request_id, validate_request(prompt, params, engine.vocab_size, engine.max_model_len,
+                                                    engine.cfg.max_num_seqs))
 
 
 def run_all(engine, prompts, params):

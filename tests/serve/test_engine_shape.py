@@ -90,6 +90,9 @@ def test_llm_refuses_with_the_exact_messages(bundled):
     with pytest.raises(InvalidRequest) as e:
         llm.generate([[5] * 60], SamplingParams(max_tokens=10))
     assert str(e.value) == TOO_LONG == context_length_message(MAX_MODEL_LEN, 10, 60)
+    with pytest.raises(InvalidRequest) as e:  # n sequences that could never be scheduled together
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2, n=llm.engine.cfg.max_num_seqs + 1))
+    assert e.value.param == "n"
     assert not llm.engine.has_unfinished()
 
 
