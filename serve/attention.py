@@ -5,8 +5,14 @@ then attends over the cache. The batch is ordered decodes first (one new token e
   TorchPagedAttention: CPU (and any dtype): decodes with the C kernel of kernels/cpu/paged_decode.py when it builds (read
     through the block tables, no copies), else as one masked SDPA over their gathered blocks (GQA folded into the
     query axis, no K/V repeat); the prefill chunks all in one call of cpu_prefill.py's AMX kernel where it runs
-    (bf16, head_dim 64/128), else each chunk with SDPA, causal over its cached context.
-  TritonPagedAttention: CUDA fp16/bf16: quantkit.kernels kv_store / paged_attention_decode / _prefill.
+    (bf16, head_dim 64/128), else each chunk with SDPA, causal over its cached context. Those kernels serve the
+    layers whose AttentionSpec they compute (any scale; no sliding window, no logit soft-cap: kernel_servable);
+    the others (Mistral's windows, Gemma's soft-caps) take the masked torch path, chosen per layer once at
+    construction: per sequence only the keys the layer can see are gathered (a windowed layer reads the last
+    `window` positions, never a block the block manager freed behind the window), masked with the dense path's
+    window_mask and attended with its masked_attention (SDPA, or an fp32 softmax after the soft-cap).
+  TritonPagedAttention: CUDA fp16/bf16: quantkit.kernels kv_store / paged_attention_decode / _prefill, at each
+    layer's scale; windows and soft-caps are refused at startup (unsupported_by_paged_attention(model, "triton")).
 """
 
 from __future__ import annotations
@@ -18,6 +24,17 @@ import torch.nn.functional as F
 
 from quantkit.kernels.cpu import paged_prefill as cpu_prefill
 from quantkit.kernels.cpu.paged_decode import paged_decode
+from quantkit.models.attention import AttentionSpec, kernel_servable, masked_attention, window_mask
+
+
+def layer_specs(specs, num_layers: int) -> list[AttentionSpec]:
+    """model.attention_specs, or one scale for every layer (plain causal attention: kernel tests, benches)."""
+    if isinstance(specs, (int, float)):
+        return [AttentionSpec(float(specs))] * num_layers
+    specs = list(specs)
+    if len(specs) != num_layers:
+        raise ValueError(f"{len(specs)} attention specs for {num_layers} cached layers")
+    return specs
 
 
 @dataclass
@@ -35,10 +52,15 @@ class AttentionMetadata:
 class TorchPagedAttention:
     """Pure torch paged attention; per step it precomputes the gather/mask tensors all layers share."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float, decode_kernel=None,
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], specs, decode_kernel=None,
                  fused_ops=None, prefill_kernel=None):
+        """specs: per layer AttentionSpec (model.attention_specs), or one scale for every layer."""
         self.kv_caches = kv_caches  # per layer (k_cache, v_cache) [num_blocks, block_size, Hkv, D]
-        self.scale = scale
+        self.specs = layer_specs(specs, len(kv_caches))
+        self.fast = [kernel_servable(spec) for spec in self.specs]  # the kernels' (or plain SDPA's) layers
+        # the windows of the masked layers (None: a soft-capped layer without one); begin_step gathers per window
+        self.windows = list(dict.fromkeys(spec.sliding_window for spec, fast in zip(self.specs, self.fast)
+                                          if not fast))
         self.decode_kernel = decode_kernel  # kernels.cpu.paged_decode.load_decode_kernel() or None
         # cpu_prefill.load_prefill_kernel(), or None (also when it does not take this cache's dtype or head_dim)
         self.prefill_kernel = prefill_kernel if cpu_prefill.supports(kv_caches[0][0]) else None
@@ -47,6 +69,44 @@ class TorchPagedAttention:
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.meta = meta
+        self.masked = {window: self._masked_inputs(meta, window) for window in self.windows}
+        if any(self.fast):
+            self._begin_fast(meta)
+
+    def _masked_inputs(self, meta: AttentionMetadata, window: int | None):
+        """For the masked layers of one window: the decodes' (cache slots [Sd, Lmax], mask [Sd, 1, 1, Lmax]) or
+        None, and per prefill chunk (token start, end, cache slots [n], mask [1, 1, q_len, n]). Only positions the
+        layer can see are gathered: a decode at position p reads (p - window, p], a chunk from its first query's
+        window on; padding repeats the sequence's own last slot (written this step), masked off."""
+        bs = self.kv_caches[0][0].shape[1]
+        nd, dev = meta.num_decodes, meta.block_tables.device
+        tables = meta.block_tables.long()
+        decodes = None
+        if nd:
+            lens = meta.seq_lens[:nd].long()
+            lo = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
+            span = max(meta.seq_lens_host[:nd]) if window is None else min(window, max(meta.seq_lens_host[:nd]))
+            j = torch.arange(span, device=dev)
+            valid = j[None, :] < (lens - lo)[:, None]  # [Sd, Lmax]
+            pos = torch.where(valid, lo[:, None] + j[None, :], lens[:, None] - 1)
+            slots = tables[:nd].gather(1, pos // bs) * bs + pos % bs
+            decodes = slots, valid[:, None, None, :]
+        chunks = []
+        start = nd
+        for s in range(nd, len(meta.seq_lens_host)):
+            q_len, seq_len = meta.query_lens_host[s], meta.seq_lens_host[s]
+            past = seq_len - q_len
+            lo = max(0, past - window + 1) if window is not None else 0
+            pos = torch.arange(lo, seq_len, device=dev)
+            slots = tables[s, pos // bs] * bs + pos % bs
+            queries = torch.arange(past, seq_len, device=dev)
+            mask = window_mask(queries[:, None], pos[None, :], window)[None, None]
+            chunks.append((start, start + q_len, slots, mask))
+            start += q_len
+        return decodes, chunks
+
+    def _begin_fast(self, meta: AttentionMetadata) -> None:
+        """The kernels' inputs (or the plain SDPA path's gathers) for the kernel_servable layers."""
         block_size = self.kv_caches[0][0].shape[1]
         nd = meta.num_decodes
         self.decode_blocks = self.decode_mask = None
@@ -91,22 +151,26 @@ class TorchPagedAttention:
             k_cache.view(-1, hkv, d).index_copy_(0, self.meta.slot_mapping, k)
             v_cache.view(-1, hkv, d).index_copy_(0, self.meta.slot_mapping, v)
         out = torch.empty_like(q)
+        spec = self.specs[layer_idx]
+        if not self.fast[layer_idx]:
+            return self._masked(spec, q, k_cache, v_cache, out)
+        scale = spec.scale
         hq = q.shape[1]
         nd = self.meta.num_decodes
         if nd and self.decode_kernel is not None:
             paged_decode(self.decode_kernel, q[:nd].contiguous(), k_cache, v_cache, self.decode_tables,
-                         self.decode_lens, self.scale, out[:nd])
+                         self.decode_lens, scale, out[:nd])
         elif nd:
             # [Sd, Lp, Hkv, D] -> [Sd, Hkv, Lp, D]; queries [Sd, Hkv, G, D] (the G heads sharing a kv head)
             kk = k_cache.index_select(0, self.decode_blocks).view(nd, -1, hkv, d).transpose(1, 2)
             vv = v_cache.index_select(0, self.decode_blocks).view(nd, -1, hkv, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                q[:nd].view(nd, hkv, hq // hkv, d), kk, vv, attn_mask=self.decode_mask, scale=self.scale
+                q[:nd].view(nd, hkv, hq // hkv, d), kk, vv, attn_mask=self.decode_mask, scale=scale
             )
             out[:nd] = o.reshape(nd, hq, d)
         if self.kernel_prefill:
             cpu_prefill.paged_prefill(self.prefill_kernel, q[nd:], k_cache, v_cache, self.prefill_tables,
-                                      self.prefill_qsl, self.prefill_lens, self.scale, out[nd:])
+                                      self.prefill_qsl, self.prefill_lens, scale, out[nd:])
             return out
         for start, end, seq_len, blocks, mask in self.prefills:
             if blocks is None:  # nothing cached before this chunk: plain causal attention over it
@@ -118,8 +182,26 @@ class TorchPagedAttention:
             # it falls back to for 3-d inputs)
             o = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=hq != hkv,
+                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=hq != hkv,
             )
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+    def _masked(self, spec: AttentionSpec, q, k_cache, v_cache, out):
+        """A layer the kernels cannot compute: its window's gathered keys, the dense path's masked attention."""
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+        decodes, chunks = self.masked[spec.sliding_window]
+        if decodes is not None:
+            slots, mask = decodes
+            nd, span = slots.shape
+            kk = k_flat.index_select(0, slots.flatten()).view(nd, span, hkv, d).transpose(1, 2)
+            vv = v_flat.index_select(0, slots.flatten()).view(nd, span, hkv, d).transpose(1, 2)
+            out[:nd] = masked_attention(q[:nd].unsqueeze(2), kk, vv, mask, spec).squeeze(2)
+        for start, end, slots, mask in chunks:
+            kk = k_flat.index_select(0, slots).transpose(0, 1)[None]
+            vv = v_flat.index_select(0, slots).transpose(0, 1)[None]
+            o = masked_attention(q[start:end].transpose(0, 1)[None], kk, vv, mask, spec)
             out[start:end] = o[0].transpose(0, 1)
         return out
 
@@ -127,14 +209,17 @@ class TorchPagedAttention:
 class TritonPagedAttention:
     """CUDA: the Triton kernels of quantkit.kernels (imported lazily; fp16/bf16 caches)."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], specs):
+        """specs: per layer AttentionSpec (kernel_servable ones only: the runner refuses the rest) or one scale."""
         from quantkit.kernels.triton.kv_store import kv_store
         from quantkit.kernels.triton.paged_attention import paged_attention_decode
         from quantkit.kernels.triton.paged_prefill import paged_attention_prefill
 
         self.kv_store, self.decode, self.prefill = kv_store, paged_attention_decode, paged_attention_prefill
         self.kv_caches = kv_caches
-        self.scale = scale
+        self.specs = layer_specs(specs, len(kv_caches))
+        if not all(kernel_servable(spec) for spec in self.specs):
+            raise ValueError("the Triton paged attention kernels implement neither sliding windows nor soft-caps")
         self.meta: AttentionMetadata | None = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
@@ -146,14 +231,15 @@ class TritonPagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]
         meta = self.meta
+        scale = self.specs[layer_idx].scale
         self.kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == q.shape[0]:
-            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale=self.scale)
+            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale=scale)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                   scale=self.scale)
+                                   scale=scale)
         out[nd:] = self.prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], self.prefill_qsl,
-                                meta.seq_lens[nd:], scale=self.scale, max_query_len=self.max_query_len)
+                                meta.seq_lens[nd:], scale=scale, max_query_len=self.max_query_len)
         return out

@@ -7,6 +7,15 @@ vLLM moved to SHA-256 for the same reason), and a hit is served only when the bl
 sequence's. A cached block whose ref count drops to 0 stays reusable in an LRU
 until its id is needed for new tokens. Free ids = never-cached free blocks + the LRU (oldest evicted first).
 Every method either succeeds or leaves the state unchanged.
+
+Bounded KV for sliding windows (window set: every layer of the model slides, model_runner.kv_window): as a sequence
+advances, release_outside_window drops its reference to each leading block that lies wholly before the window of its
+next query (positions < num_computed_tokens - window + 1); the table keeps its positions, the entry becomes FREED,
+which no kernel reads (the masked torch path gathers only a window's positions; the whole-cache kernels and Triton
+never serve such a model). Dropping a reference is what free() does, so prefix caching and forks stay correct: a
+block shared with a fork or another request stays live for them, and a cached block goes to the LRU with its KV
+intact (a later request may still hit it). A model with any global layer (Gemma 2/3, Qwen2/3 with
+max_window_layers) keeps every block: window is None.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from collections import OrderedDict, deque
 from quantkit.serve.sequence import Sequence
 
 ROOT_KEY = b"quantkit-prefix-v1"
+FREED = -1  # a block-table entry whose block was released behind the sliding window (never read)
 
 
 def block_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -26,9 +36,12 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
+        """window: every layer attends to at most this many tokens (release_outside_window), or None."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
@@ -90,7 +103,7 @@ class BlockManager:
         hashes = self.full_block_hashes(seq)
         for i in range(seq.num_cached_blocks, num_full):
             block_id, h = seq.block_table[i], hashes[i]
-            if self.block_hash[block_id] is None and h not in self.cached:
+            if block_id != FREED and self.block_hash[block_id] is None and h not in self.cached:
                 self.block_hash[block_id] = h
                 self.block_tokens[block_id] = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 self.cached[h] = block_id
@@ -135,18 +148,43 @@ class BlockManager:
         self.ref_counts[block_id] = 1
         return block_id
 
+    def _release(self, block_id: int) -> None:
+        """Drop one reference to block_id (nothing for FREED)."""
+        if block_id == FREED:
+            return
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if self.block_hash[block_id] is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free_ids.append(block_id)
+                self.pending_copies = [c for c in self.pending_copies if c[1] != block_id]
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; tail blocks first so they are evicted first."""
         for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                if self.block_hash[block_id] is not None:
-                    self.evictable[block_id] = None
-                else:
-                    self.free_ids.append(block_id)
-                    self.pending_copies = [c for c in self.pending_copies if c[1] != block_id]
+            self._release(block_id)
         seq.block_table = []
-        seq.num_cached_blocks = 0
+        seq.num_cached_blocks = seq.num_released_blocks = 0
+
+    def release_outside_window(self, seq: Sequence) -> int:
+        """With a window: drop seq's references to the blocks no query from position num_computed_tokens on can
+        see (their entries become FREED; positions of the others unchanged). -> blocks released."""
+        if self.window is None:
+            return 0
+        end = min(max(0, seq.num_computed_tokens - self.window + 1) // self.block_size, len(seq.block_table))
+        released = 0
+        for i in range(seq.num_released_blocks, end):
+            if seq.block_table[i] != FREED:
+                self._release(seq.block_table[i])
+                seq.block_table[i] = FREED
+                released += 1
+        seq.num_released_blocks = max(seq.num_released_blocks, end)
+        return released
+
+    def live_blocks(self, seq: Sequence) -> int:
+        """Blocks of seq's table it still holds (not FREED)."""
+        return sum(1 for b in seq.block_table if b != FREED)
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """child shares parent's full blocks; a partial last block is copied (queued in pending_copies).
@@ -158,8 +196,10 @@ class BlockManager:
         if partial and not self.num_free_blocks:
             return False
         for block_id in parent.block_table[:num_full]:
-            self.ref_counts[block_id] += 1
+            if block_id != FREED:  # released behind the window: the child (same position) needs it no more
+                self.ref_counts[block_id] += 1
         child.block_table = parent.block_table[:num_full]
+        child.num_released_blocks = min(parent.num_released_blocks, num_full)
         if partial:
             dst = self._take_free()
             self.pending_copies.append((parent.block_table[num_full], dst))

@@ -12,7 +12,7 @@ import logging
 import time
 from collections import Counter, deque
 
-from quantkit.serve.block_manager import BlockManager
+from quantkit.serve.block_manager import FREED, BlockManager
 from quantkit.serve.scheduler import Scheduler
 from quantkit.serve.speculative import Speculator, spec_stats
 
@@ -53,7 +53,7 @@ class EngineStats:
         partial = 0
         for seq in self.scheduler.running:
             n_full, rest = divmod(seq.num_computed_tokens, bs)
-            full.update(seq.block_table[:n_full])
+            full.update(b for b in seq.block_table[:n_full] if b != FREED)  # released behind a window
             partial += rest
         used = self.block_manager.num_used_blocks
         return (len(full) * bs + partial) / (used * bs) if used else 1.0

@@ -9,13 +9,13 @@ fork) and at prompt positions whose logprobs were asked for.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.models.attention import kv_window, unsupported_by_paged_attention
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, TritonPagedAttention
 from quantkit.serve.capacity import capacity_line, kv_bytes_per_token, num_kv_blocks
 from quantkit.serve.config import EngineConfig
@@ -66,6 +66,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_model_len = max_model_len
+        unsupported = unsupported_by_paged_attention(model, self._backend_kind())
+        if unsupported is not None:  # refused at startup: never wrong output
+            raise QuantkitError(f"cannot serve this model: {unsupported}")
+        # tokens of KV a sequence keeps behind its next query (every layer slides), or None: all of it
+        self.kv_window = kv_window(model.attention_specs)
         mc = model.config
         self.num_layers, self.num_kv_heads, self.head_dim = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
         self.vocab_size = mc.vocab_size
@@ -93,15 +98,21 @@ class ModelRunner:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def _backend(self, kv_caches):
+    def _backend_kind(self) -> str:
         """cfg.attention_backend: auto (Triton on CUDA fp16/bf16, else torch + the C decode kernel), torch, triton."""
-        scale = 1.0 / math.sqrt(self.head_dim)
         choice = self.cfg.attention_backend
         if choice == "triton" or (choice == "auto" and self.device.type == "cuda"
                                   and self.dtype in (torch.float16, torch.bfloat16)):
-            return TritonPagedAttention(kv_caches, scale)
-        native = choice == "auto" and self.device.type == "cpu"
-        return TorchPagedAttention(kv_caches, scale, load_decode_kernel() if native else None, self.fused_ops,
+            return "triton"
+        return "torch"
+
+    def _backend(self, kv_caches):
+        """The backend honours every layer's AttentionSpec (model.attention_specs: scale, window, soft-cap)."""
+        specs = self.model.attention_specs
+        if self._backend_kind() == "triton":
+            return TritonPagedAttention(kv_caches, specs)
+        native = self.cfg.attention_backend == "auto" and self.device.type == "cpu"
+        return TorchPagedAttention(kv_caches, specs, load_decode_kernel() if native else None, self.fused_ops,
                                    load_prefill_kernel() if native else None)
 
     # ---- capacity

@@ -3,7 +3,9 @@
 Running sequences get their next tokens (1 for a decode, 1 + drafts with speculation, the next chunk for a
 prompt still being prefilled); when the pool is short the newest running sequence is preempted (blocks freed,
 recomputed later). Waiting sequences then get prefill chunks while the budget, max_num_seqs and the pool allow;
-the head of the queue is never skipped. Prefill and decode share the step.
+the head of the queue is never skipped. Prefill and decode share the step. For a model whose every layer slides, a
+running sequence first hands back the blocks behind its window (BlockManager.release_outside_window), so its live
+KV stays bounded however long it runs.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            self.bm.release_outside_window(seq)  # sliding-window models: blocks behind every layer's window
             num_new = self._num_new_tokens(seq, budget)
             while not self.bm.allocate(seq, num_new):
                 victim = self.running.pop()
@@ -115,6 +118,7 @@ class Scheduler:
                 num_new = min(seq.num_tokens - len(prefix) * self.bm.block_size, budget)
                 if not self.bm.allocate(seq, num_new, prefix):
                     break
+                self.bm.release_outside_window(seq)  # prefix hits behind its first query's window
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)

@@ -3,7 +3,8 @@
 A Request holds n Sequences (one per completion). Only the first exists until its prompt is computed; at the
 first sample it forks n-1 children that share the prompt's KV blocks.
 Invariant: seq.token_ids = prompt + generated; KV for token_ids[:num_computed_tokens] is in the blocks of
-seq.block_table (slot of token t = block_table[t // block_size] * block_size + t % block_size).
+seq.block_table (slot of token t = block_table[t // block_size] * block_size + t % block_size), except for entries
+released behind a sliding window (block_manager.FREED), which no query reads any more.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # prefix-cache key of each full block of token_ids, filled lazily
         self.num_cached_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        self.num_released_blocks = 0  # leading entries of block_table released behind a sliding window (FREED)
         # speculative decoding (serve/speculative.py)
         self.spec_token_ids: list[int] = []  # draft tokens to verify in this step, after token_ids
         self.spec_probs = None  # float32 [k, V]: the draft model's distribution per draft (None: deterministic)
@@ -82,6 +84,7 @@ class Sequence:
         """Preempted: its blocks were freed; the whole token list is prefilled again later."""
         self.num_computed_tokens = 0
         self.num_cached_blocks = 0
+        self.num_released_blocks = 0
         self.spec_token_ids = []
         self.spec_probs = None
         self.draft_computed = 0

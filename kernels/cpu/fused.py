@@ -31,6 +31,8 @@ SIGNATURES = {
     "kv_store": [_P, _I64, _P, _I64, _P, _P, _P, _INT, _I64, _INT],
 }
 _MIN_ROPE_TABLE = 256  # rows of the first RoPE table; it grows by doubling
+_MAX_ROPE_TABLES = 8  # inv_freq tensors with a cached table (a model has one or two)
+_NO_TABLE = torch.empty(0, 0)
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
@@ -88,7 +90,9 @@ class CpuFusedOps:
 
     def __init__(self, lib: ctypes.CDLL, fallback):
         self.lib, self.fallback = lib, fallback
-        self._rope = (None, None, torch.empty(0, 0))  # (positions, inv_freq, table) of the latest rope_table call
+        # id(inv_freq) -> (inv_freq, positions of its latest call, table): one table per rotary embedding (Gemma 3
+        # alternates a local and a global one layer by layer); the entry keeps inv_freq alive, so its id stays its own
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
 
     @classmethod
     def load(cls, fallback) -> "CpuFusedOps | None":
@@ -128,16 +132,20 @@ class CpuFusedOps:
     def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """Row p = cos(p * inv_freq) | sin(p * inv_freq), the fp32 angles of the model's rotary embedding. Every
         layer of one forward passes the same positions tensor: checked once per forward (the cache holds that
-        tensor, so its identity cannot be recycled for another), grown by doubling, rebuilt for another inv_freq."""
-        last_positions, last_inv_freq, table = self._rope
-        if last_positions is positions and last_inv_freq is inv_freq:
+        tensor, so its identity cannot be recycled for another), grown by doubling; one table per inv_freq tensor
+        (at most _MAX_ROPE_TABLES, the oldest dropped), so alternating rotaries do not rebuild each layer."""
+        _, last_positions, table = self._rope.get(id(inv_freq), (inv_freq, None, _NO_TABLE))
+        if last_positions is positions:
             return table
         need, rows = int(positions.max()) + 1 if positions.numel() else 0, table.shape[0]
-        if rows < need or last_inv_freq is not inv_freq:
-            size = rows if rows >= need else max(need, 2 * rows, _MIN_ROPE_TABLE)
+        if rows < need:  # grown by doubling; a new inv_freq's table as long as the others (the same positions)
+            floor = 2 * rows if rows else max((t.shape[0] for _, _, t in self._rope.values()), default=0)
+            size = max(need, floor, _MIN_ROPE_TABLE)
             freqs = torch.arange(size, device=inv_freq.device).to(torch.float32)[:, None] * inv_freq  # [P, D/2]
             table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
-        self._rope = (positions, inv_freq, table)
+        if id(inv_freq) not in self._rope and len(self._rope) >= _MAX_ROPE_TABLES:
+            del self._rope[next(iter(self._rope))]
+        self._rope[id(inv_freq)] = (inv_freq, positions, table)
         return table
 
     # rope - q [T, Hq, D], k [T, Hkv, D] (tokens at any stride, heads contiguous), positions int [T] -> (q, k)

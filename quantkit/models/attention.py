@@ -2,7 +2,8 @@
 
 Dense (attn=None): causal over the batch's own tokens, with the layer's sliding window and logit soft-cap. Paged: an
 AttentionBackend (the serving engine's KV cache, docs/CONTRACTS.md) does the attending; it reads the same facts from
-`model.attention_specs`, and `unsupported_by_paged_attention` says which of them it cannot honour yet.
+`model.attention_specs` (window_mask and masked_attention are shared with it), and `unsupported_by_paged_attention`
+says which of them a backend cannot honour yet.
 """
 
 from __future__ import annotations
@@ -38,6 +39,32 @@ class AttentionSpec:
                    cfg.attn_logit_softcapping)
 
 
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """Keys a query may see: q_pos [..., Lq, 1], k_pos [..., 1, Lk] (broadcasting) -> bool [..., Lq, Lk], causal
+    (key <= query) and, with a window, key > query - window. The dense and the paged paths share it."""
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     spec: AttentionSpec) -> torch.Tensor:
+    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], allowed bool [B | 1, 1, Lq, Lk] -> [B, Hq, Lq, D] at spec's scale,
+    soft-capped when spec says so (every query must see at least one key)."""
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    if spec.logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=spec.scale, enable_gqa=hq != hkv)
+    # soft-capping happens between the product and the softmax, which SDPA has no hook for: eager, fp32 softmax
+    qg = q.view(b, hkv, hq // hkv, n, d)  # [B, Hkv, G, Lq, D]: the queries sharing one kv head
+    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * spec.scale  # [B, Hkv, G, Lq, Lk]
+    scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+    scores = scores.masked_fill(~allowed.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ v.unsqueeze(2)).view(b, hq, n, d)
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """q [B, Hq, L, D], k/v [B, Hkv, L, D] -> [B, Hq, L, D], causal over the L tokens (right padding is safe)."""
     gqa, n = k.shape[1] != q.shape[1], q.shape[2]
@@ -45,20 +72,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     if window is None and spec.logit_softcap is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=gqa)
     i = torch.arange(n, device=q.device)
-    allowed = i[None, :] <= i[:, None]  # [L, L]: key j <= query i
-    if window is not None:
-        allowed &= i[None, :] > i[:, None] - window
-    if spec.logit_softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=spec.scale, enable_gqa=gqa)
-    # soft-capping happens between the product and the softmax, which SDPA has no hook for: eager, fp32 softmax
-    b, hq, _, d = q.shape
-    group = hq // k.shape[1]
-    qg = q.view(b, k.shape[1], group, n, d)  # [B, Hkv, G, L, D]: the queries sharing one kv head
-    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * spec.scale  # [B, Hkv, G, L, L]
-    scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return (probs @ v.unsqueeze(2)).view(b, hq, n, d)
+    return masked_attention(q, k, v, window_mask(i[:, None], i[None, :], window)[None, None], spec)
 
 
 class Attention(nn.Module):
@@ -103,22 +117,36 @@ class Attention(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
-def unsupported_by_paged_attention(model) -> Optional[str]:
-    """Why the paged backends (serve/attention.py: causal over the whole cache at 1/sqrt(head_dim), RoPE from
-    `rotary.inv_freq`) cannot run `model`, in one sentence naming the family; None when they can."""
+def kernel_servable(spec: AttentionSpec) -> bool:
+    """Whether the paged kernels that attend causally over the whole cache (the C decode / AMX prefill kernels,
+    the Triton ones; any scale) compute this layer: no sliding window, no logit soft-cap."""
+    return spec.sliding_window is None and spec.logit_softcap is None
+
+
+def kv_window(specs: list[AttentionSpec]) -> Optional[int]:
+    """The KV a sequence must keep, in tokens behind its next query: the largest window when every layer slides
+    (Mistral, Mixtral, Phi-3 with sliding_window), None when any layer attends globally (Gemma 2/3, Qwen2/3 with
+    max_window_layers: their global layers read every block)."""
+    windows = [spec.sliding_window for spec in specs]
+    return None if not windows or None in windows else max(windows)
+
+
+def unsupported_by_paged_attention(model, backend: str = "torch") -> Optional[str]:
+    """Why the paged backend `backend` of serve/attention.py cannot run `model`, in one sentence naming the family;
+    None when it can. "torch" (CPU) honours every layer's AttentionSpec (scale, sliding window, logit soft-cap);
+    "triton" (CUDA) takes per-layer scales but not windows or soft-caps. Neither implements longrope (RoPE from
+    `rotary.inv_freq` only)."""
     cfg = model.config
-    default = 1.0 / math.sqrt(cfg.head_dim)
     family = f"{model.family.name} ({cfg.model_type})"
-    for i, spec in enumerate(model.attention_specs):
-        if spec.sliding_window is not None:
-            return f"{family} attends over a sliding window of {spec.sliding_window} tokens in layer {i}, which " \
-                   f"the paged attention backends do not implement yet"
-        if spec.logit_softcap is not None:
-            return f"{family} soft-caps its attention logits at {spec.logit_softcap} (layer {i}), which the paged " \
-                   f"attention backends do not implement yet"
-        if spec.scale != default:
-            return f"{family} scales its attention scores by {spec.scale:.6g} instead of 1/sqrt(head_dim) " \
-                   f"(layer {i}), which the paged attention backends do not implement yet"
+    if backend == "triton":
+        for i, spec in enumerate(model.attention_specs):
+            if spec.sliding_window is not None:
+                return f"{family} attends over a sliding window of {spec.sliding_window} tokens in layer {i}, " \
+                       f"which the Triton paged attention backend does not implement yet: serve it on CPU " \
+                       f"(--device cpu)"
+            if spec.logit_softcap is not None:
+                return f"{family} soft-caps its attention logits at {spec.logit_softcap} (layer {i}), which the " \
+                       f"Triton paged attention backend does not implement yet: serve it on CPU (--device cpu)"
     if any(r.long_inv_freq is not None for r in model.rotaries()):
         return f"{family} uses longrope, whose frequencies switch with the sequence length, which the paged " \
                f"attention backends do not implement"

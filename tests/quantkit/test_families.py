@@ -9,14 +9,13 @@ per-layer attention facts, and RTN / GPTQ / AWQ end to end.
 from __future__ import annotations
 
 import copy
+import functools
 import json
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from quantkit.config import CalibConfig, QuantScheme
 from quantkit.data import CalibData
@@ -30,65 +29,20 @@ from quantkit.quant.awq import AWQ
 from quantkit.quant.calibrate import calibrate, capture_stage, observed
 from quantkit.quant.qlinear import QLinear
 from quantkit.quant.scheme import dequantize
+from tests.quantkit.families import FAMILIES, MOE_FAMILIES, WINDOW, saved_families
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
-
-WINDOW = 16  # sequences of 8 stay inside it, of 48 go past it
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256, pad_token_id=None,
-            bos_token_id=None, eos_token_id=None)  # no EOS: generate runs all its tokens
-LONGROPE = {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
-            "long_factor": [2.0 + 0.3 * i for i in range(8)]}
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-FAMILIES = {
-    "llama": ("llama", {}),
-    "mistral": ("mistral", dict(sliding_window=WINDOW)),
-    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # layer 1 slides
-    "qwen3": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
-    "gemma2": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
-                              attn_logit_softcapping=1.0, final_logit_softcapping=5.0)),
-    "gemma3": ("gemma3_text", dict(num_hidden_layers=6, sliding_window_pattern=3, head_dim=16, query_pre_attn_scalar=24,
-                                   sliding_window=WINDOW, rope_local_base_freq=100.0, rope_theta=10000.0,
-                                   final_logit_softcapping=5.0)),
-    "phi3": ("phi3", dict(sliding_window=WINDOW)),
-    "phi3-longrope": ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=32,
-                                   rope_scaling=LONGROPE)),  # 48 tokens switch to the long factors
-    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
-    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, shared_expert_intermediate_size=64, mlp_only_layers=[1], **MOE)),
-    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=4, norm_topk_prob=True, **MOE)),
-}
-MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
-
-
-def hf_model(name: str) -> nn.Module:
-    model_type, extra = FAMILIES[name]
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**BASE, **extra}), dtype=torch.float32)
-    with torch.no_grad():  # random biases and norms, so a missing term cannot hide behind zeros/ones
-        for pname, p in hf.named_parameters():
-            if "norm" in pname:  # Gemma stores w of (1 + w): centred on 0 there
-                p.normal_(mean=0.0 if model_type.startswith("gemma") else 1.0, std=0.1)
-            elif pname.endswith("bias"):
-                p.normal_(std=0.1)
-    return hf.eval()
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory, bundled_dir):
     """name -> (transformers model, quantkit Loaded) through save_pretrained + load_model, built once."""
-    root = tmp_path_factory.mktemp("families")
-    tokenizer = root / "tokenizer"
-    PreTrainedTokenizerFast.from_pretrained(bundled_dir).save_pretrained(tokenizer)
-    cache = {}
+    saved = saved_families(tmp_path_factory.mktemp("families"), bundled_dir)
 
+    @functools.cache
     def get(name: str):
-        if name not in cache:
-            hf, folder = hf_model(name), root / name
-            hf.save_pretrained(folder)
-            for f in tokenizer.iterdir():
-                shutil.copy(f, folder)
-            cache[name] = hf, load_model(str(folder))
-        return cache[name]
+        hf, folder = saved(name)
+        return hf, load_model(str(folder))
     return get
 
 
@@ -171,12 +125,13 @@ def test_attention_facts_are_data_and_the_paged_path_refuses_what_it_cannot_run(
     assert [s.sliding_window for s in specs["qwen2"]] == [None, WINDOW]
     gemma3 = pairs("gemma3")[1].model
     assert gemma3.model.layers[0].rotary is not gemma3.model.layers[2].rotary  # local vs global RoPE base
-    assert unsupported_by_paged_attention(pairs("llama")[1].model) is None
-    assert unsupported_by_paged_attention(pairs("qwen3_moe")[1].model) is None
-    for name, words in (("mistral", "sliding window of 16"), ("gemma2", "sliding window"),
-                        ("phi3-longrope", "longrope")):
-        reason = unsupported_by_paged_attention(pairs(name)[1].model)
+    for name in ("llama", "qwen3_moe", "mistral", "gemma2", "gemma3"):  # the CPU torch backend honours every spec
+        assert unsupported_by_paged_attention(pairs(name)[1].model) is None, name
+    for name, backend, words in (("mistral", "triton", "sliding window of 16"), ("gemma2", "triton", "sliding window"),
+                                 ("phi3-longrope", "torch", "longrope")):
+        reason = unsupported_by_paged_attention(pairs(name)[1].model, backend)
         assert reason is not None and words in reason and pairs(name)[1].model.family.name in reason, reason
+    assert unsupported_by_paged_attention(pairs("llama")[1].model, "triton") is None
 
 
 def test_geglu_is_not_fused_as_swiglu(pairs):

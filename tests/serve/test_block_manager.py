@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quantkit.serve.block_manager import BlockManager
+from quantkit.serve.block_manager import FREED, BlockManager
 from quantkit.serve.sampling_params import SamplingParams
 from quantkit.serve.sequence import Request
 
@@ -171,3 +171,36 @@ def test_a_key_collision_is_not_served_another_prompts_blocks(monkeypatch):
     bm.cache_full_blocks(a, 5)
     assert bm.lookup_prefix(make_seq([9, 9, 9, 9, 5])) == []  # colliding key, other tokens: a miss
     assert bm.lookup_prefix(make_seq([1, 2, 3, 4, 6])) == [a.block_table[0]]  # the same tokens still hit
+
+
+def test_blocks_behind_the_window_are_released_keeping_positions():
+    """window 6, blocks of 4: the next query at position p reads p - 5 .. p, so block i goes once 4(i + 1) <= p - 5."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False, window=6)
+    a = make_seq(range(14))
+    assert bm.allocate(a, 14) and a.block_table == [0, 1, 2, 3]
+    a.num_computed_tokens = 13
+    assert bm.release_outside_window(a) == 2 and a.block_table == [FREED, FREED, 2, 3]  # query 13 reads 8..13
+    assert bm.live_blocks(a) == 2 and bm.ref_counts[:2] == [0, 0] and list(bm.free_ids)[-2:] == [0, 1]
+    assert bm.release_outside_window(a) == 0
+    child = make_seq(range(14), "c")
+    assert bm.fork(a, child) and child.block_table[:3] == [FREED, FREED, 2]  # FREED entries are not referenced
+    assert bm.ref_counts[2] == 2 and child.num_released_blocks == 2
+    assert bm.allocate(a, 4) and a.block_table == [FREED, FREED, 2, 3, 5]  # 4: the child's copy of block 3
+    a.num_computed_tokens = 17
+    assert bm.release_outside_window(a) == 1 and bm.ref_counts[2] == 1  # still the child's
+    bm.free(a)
+    bm.free(child)
+    assert bm.num_used_blocks == 0 and sorted(bm.free_ids) == list(range(8))
+
+
+def test_released_cached_blocks_stay_reusable_prefixes():
+    bm = BlockManager(num_blocks=8, block_size=4, window=4)
+    a = make_seq(range(12))
+    assert bm.allocate(a, 12)
+    bm.cache_full_blocks(a, 12)
+    a.num_computed_tokens = 12
+    assert bm.release_outside_window(a) == 2 and list(bm.evictable) == [0, 1]  # cached: to the LRU, KV intact
+    b = make_seq(list(range(12)) + [99])
+    assert bm.lookup_prefix(b) == [0, 1, 2]
+    bm.free(a)
+    assert bm.num_used_blocks == 0

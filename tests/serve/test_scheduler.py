@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 
-from quantkit.serve.block_manager import BlockManager
+import pytest
+
+from quantkit.serve.block_manager import FREED, BlockManager
 from quantkit.serve.sampling_params import SamplingParams
 from quantkit.serve.scheduler import Scheduler
 from quantkit.serve.sequence import Request, Sequence, SequenceStatus
@@ -17,8 +19,8 @@ def make_seq(tokens, rid, max_tokens=100):
     return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), None, max_tokens).seqs[0]
 
 
-def make_scheduler(num_blocks, block_size=4, budget=16, max_seqs=8, caching=False):
-    return Scheduler(BlockManager(num_blocks, block_size, caching), budget, max_seqs)
+def make_scheduler(num_blocks, block_size=4, budget=16, max_seqs=8, caching=False, window=None):
+    return Scheduler(BlockManager(num_blocks, block_size, caching, window), budget, max_seqs)
 
 
 def run_step(sched, kv=None):
@@ -140,11 +142,13 @@ def test_prefix_reuse_skips_cached_tokens():
     assert sched.bm.prefix_cache_hits == 8
 
 
-def test_random_load_never_corrupts_and_always_finishes():
+@pytest.mark.parametrize("window", [None, 6])
+def test_random_load_never_corrupts_and_always_finishes(window):
+    """window: blocks behind every sequence's window are released (FREED); what its next query reads is intact."""
     rng = random.Random(0)
-    sched = make_scheduler(12, block_size=4, budget=20, max_seqs=6, caching=True)
+    sched = make_scheduler(12, block_size=4, budget=20, max_seqs=6, caching=True, window=window)
     kv: dict[int, tuple[int, int]] = {}
-    pending, alive, rid, steps = 40, [], 0, 0
+    pending, alive, rid, steps, released = 40, [], 0, 0, False
     prefixes = [[rng.randrange(1000) for _ in range(8)] for _ in range(3)]
     while pending or sched.num_unfinished:
         if pending and rng.random() < 0.5:
@@ -164,14 +168,17 @@ def test_random_load_never_corrupts_and_always_finishes():
         refs = [0] * sched.bm.num_blocks
         for seq in sched.running:
             bs = sched.bm.block_size
-            for pos in range(seq.num_computed_tokens):
+            first = 0 if window is None else max(0, seq.num_computed_tokens - window + 1)
+            for pos in range(first, seq.num_computed_tokens):
                 assert kv[seq.block_table[pos // bs] * bs + pos % bs] == (seq.token_ids[pos], pos)
             for b in seq.block_table:
-                refs[b] += 1
+                if b != FREED:
+                    refs[b] += 1
+            released = released or FREED in seq.block_table
         assert refs == sched.bm.ref_counts
         assert sched.bm.num_free_blocks + sum(1 for r in refs if r) == sched.bm.num_blocks
-    assert sched.num_preemptions > 0 and sched.bm.prefix_cache_hits > 0
-    assert sched.bm.num_used_blocks == 0
+    assert sched.bm.prefix_cache_hits > 0 and sched.bm.num_used_blocks == 0
+    assert (sched.num_preemptions > 0, released) == ((True, False) if window is None else (False, True))  # bounded
 
 
 def test_drafts_are_scheduled_whole_or_trimmed_never_split():
