@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (routes as vLLM's server has them); `build_app` is the whole surface.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
-POST /tokenize, POST /detokenize, GET /version. Anything else is a 404 in the OpenAI error shape.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id} (the served model's
+card; any other id is a 404), GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version. Anything
+else is a 404 in the OpenAI error shape.
 Every error body is {"error": {"message", "type", "param", "code"}}, whatever failed (an unexpected exception is a
 500 in that shape, its traceback logged once); a request validation.py refuses is a 400 naming the field. With an
 API key, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401 otherwise).
@@ -200,12 +201,18 @@ def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api
     async def chat_completions(raw_request: Request):
         return await generate(raw_request, ChatCompletionRequest, prepare_chat, chat_stream, chat_response)
 
+    card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "quantkit",
+            "root": (model_info or {}).get("source", served_model_name), "parent": None,
+            "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "quantkit",
-                "root": (model_info or {}).get("source", served_model_name), "parent": None,
-                "max_model_len": max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # what the openai client's models.retrieve asks
+        check_model(serving, model_id)
+        return card
 
     @app.get("/health")
     async def health():

@@ -6,6 +6,9 @@ held back, so a stream sends `text[len(sent):]` each step and a stop string neve
 early (client disconnect, error, cancellation) aborts every unfinished engine request so its KV blocks are freed.
 Parsing, tokenizing and chat templates run in Serving's thread pool (`offload`), never on the event loop: the Rust
 tokenizer releases the GIL, so a prompt of megabytes stalls no other client.
+Structured output (response_format, guided_*, structured_outputs) becomes SamplingParams.guided, checked with the
+rest of the request (structured.py); chat `tools` / `tool_choice` are rendered and parsed by tools.py (a required
+or named tool_choice is a grammar too), and a choice that called tools finishes with "tool_calls".
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from quantkit.serve.api_logprobs import TokenTexts
@@ -28,7 +31,9 @@ from quantkit.serve.protocol import (
     ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,
     SamplingFields, UsageInfo,
 )
+from quantkit.serve import tools as tool_calls
 from quantkit.serve.sampling_params import SamplingParams
+from quantkit.serve.structured import GuidedDecoding
 from quantkit.serve.validation import ValidRequest, fitting_max_tokens, validate_request
 
 logger = logging.getLogger("quantkit.serve.api")
@@ -86,15 +91,19 @@ def check_model(serving: Serving, name: str | None) -> None:
 
 
 # OpenAI / vLLM request fields with a meaning this server does not implement: a client that sets one expects its
-# effect (a JSON answer, a tool call, a bias), so it is a 400 naming the field, never a silent drop. A value that
-# asks for nothing (null, empty, the default) passes. Fields neither API defines are logged and ignored (SERVING.md).
+# effect (a bias, a beam search), so it is a 400 naming the field, never a silent drop. A value that asks for
+# nothing (null, empty, the default) passes. Fields neither API defines are logged and ignored (SERVING.md).
+# Structured output (response_format, guided_*, structured_outputs) is served (structured.py); tools, tool_choice
+# and parallel_tool_calls are served on the chat route (tools.py), where ChatCompletionRequest declares them: on
+# /v1/completions they are extras, and refused here.
 UNSUPPORTED_FIELDS = {
-    "response_format": ({"type": "text"},), "tools": (), "tool_choice": ("none", "auto"), "functions": (),
-    "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "logit_bias": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
-    "best_of": (1,), "use_beam_search": (False,), "suffix": ("",), "prediction": (), "modalities": (["text"],),
-    "audio": (),
+    "tools": (), "tool_choice": ("none", "auto"), "functions": (), "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False), "logit_bias": (), "best_of": (1,), "use_beam_search": (False,),
+    "suffix": ("",), "prediction": (), "modalities": (["text"],), "audio": (),
 }
+# request field -> GuidedDecoding kind (structured.py)
+GUIDED_FIELDS = {"response_format": "response_format", "guided_json": "json", "guided_regex": "regex",
+                 "guided_choice": "choice", "guided_grammar": "grammar", "structured_outputs": "structured_outputs"}
 
 
 def check_extra_fields(request: SamplingFields) -> None:
@@ -136,18 +145,21 @@ def completion_prompts(serving: Serving, request: CompletionRequest, params: Sam
     return prompts
 
 
-def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> tuple[list[int], str]:
-    """Messages rendered with the chat template (the tokenizer's or --chat-template), then tokenized as is:
-    (token ids, text)."""
+def chat_prompt(serving: Serving, request: ChatCompletionRequest,
+                tools: list[dict] | None = None) -> tuple[list[int], str]:
+    """Messages rendered with the chat template (the tokenizer's or --chat-template), with `tools` as tools.py
+    renders them, then tokenized as is: (token ids, text)."""
     template = serving.chat_template or getattr(serving.tokenizer, "chat_template", None)
     if not template:
         raise APIError(400, "This model has no chat template: start the server with --chat-template FILE, "
                             "or use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
+                 **{k: v for k, v in (m.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}}
                 for m in request.messages]
+    messages, tool_kwargs = tool_calls.render_messages(messages, tools, template)
     try:
         text = serving.tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False,
+            messages, chat_template=template, tokenize=False, **tool_kwargs,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, **(request.chat_template_kwargs or {}),
         )
@@ -159,8 +171,22 @@ def chat_prompt(serving: Serving, request: ChatCompletionRequest) -> tuple[list[
     return token_ids, text
 
 
+def guided_decoding(request: SamplingFields, tool: GuidedDecoding | None = None) -> GuidedDecoding | None:
+    """The structured-output field the request set (or the tool call tool_choice requires), as sent: checked with
+    the rest of the request (SamplingParams.validate), where a second one set too is refused."""
+    asked = [tool] if tool is not None else []
+    for field, kind in GUIDED_FIELDS.items():
+        value = getattr(request, field)
+        if value in (None, [], {}) or (field == "response_format" and value.get("type") == "text"):
+            continue
+        asked.append(GuidedDecoding(kind, value, field))
+    if not asked:
+        return None
+    return asked[0] if len(asked) == 1 else replace(asked[0], conflict=asked[1].field)
+
+
 def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
+                    prompt_logprobs: int | None, tool: GuidedDecoding | None = None) -> SamplingParams:
     """The request's sampling fields as SamplingParams (checked with the prompt by Serving.validated)."""
     return SamplingParams(
         n=request.n,
@@ -180,6 +206,7 @@ def sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | No
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
+        guided=guided_decoding(request, tool),
     )
 
 
@@ -226,9 +253,10 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 class Generation:
     """The engine requests of one API request; abandoning the iteration aborts the unfinished ones."""
 
-    def __init__(self, serving: Serving, request_id: str, prompts: list[Prompt]):
+    def __init__(self, serving: Serving, request_id: str, prompts: list[Prompt], parse_tools: bool = False):
         self.serving = serving
         self.prompts = prompts
+        self.parse_tools = parse_tools  # chat with tools: tool calls are parsed out of the output (tools.py)
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.trackers = [RequestTracker(serving.metrics) for _ in prompts]
 
@@ -406,13 +434,15 @@ def prepare_chat(serving: Serving, request: ChatCompletionRequest) -> tuple[str,
     check_extra_fields(request)
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
-    token_ids, text = chat_prompt(serving, request)
+    tools = tool_calls.plan(request)
+    token_ids, text = chat_prompt(serving, request, tools.tools)
     requested = request.requested_max_tokens()
     max_tokens = fitting_max_tokens(len(token_ids), serving.max_model_len) if requested is None else requested
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = sampling_params(request, max_tokens, logprobs, None)
+    params = sampling_params(request, max_tokens, logprobs, None, tools.guided)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    return request_id, Generation(serving, request_id, [Prompt(serving.validated(token_ids, params), text)])
+    return request_id, Generation(serving, request_id, [Prompt(serving.validated(token_ids, params), text)],
+                                  parse_tools=tools.parse)
 
 
 def _chat_logprobs(serving: Serving, request: ChatCompletionRequest, completion, start: int):
@@ -427,12 +457,12 @@ async def chat_response(serving: Serving, request: ChatCompletionRequest, reques
     final = None
     async for _, out in generation.outputs():
         final = out
-    choices = [
-        ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                   logprobs=_chat_logprobs(serving, request, c, 0), finish_reason=c.finish_reason,
-                   stop_reason=c.stop_reason)
-        for c in sorted(final.outputs, key=lambda c: c.index)
-    ]
+    choices = []
+    for c in sorted(final.outputs, key=lambda c: c.index):
+        content, calls = tool_calls.parse_tool_calls(c.text) if generation.parse_tools else (c.text, [])
+        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls or None),
+                                  logprobs=_chat_logprobs(serving, request, c, 0),
+                                  finish_reason="tool_calls" if calls else c.finish_reason, stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices,
                                   usage=_usage(generation, [final]))
 
@@ -458,14 +488,27 @@ async def chat_stream(serving: Serving, request: ChatCompletionRequest, request_
         for c in out.outputs:
             if finished[c.index]:
                 continue
-            delta = c.text[text_sent[c.index]:]
+            shown = len(c.text) if c.finished or not generation.parse_tools else tool_calls.streamable(c.text)
+            delta = c.text[text_sent[c.index]:shown]
             if not (delta or len(c.token_ids) > tokens_sent[c.index] or c.finished):
                 continue
             logprobs = _chat_logprobs(serving, request, c, tokens_sent[c.index])
-            text_sent[c.index], tokens_sent[c.index] = len(c.text), len(c.token_ids)
+            message, finish_reason = DeltaMessage(content=delta), c.finish_reason
+            if c.finished and generation.parse_tools:
+                message, finish_reason = _final_tool_delta(c.text, text_sent[c.index], message, finish_reason)
+            text_sent[c.index], tokens_sent[c.index] = max(shown, text_sent[c.index]), len(c.token_ids)
             finished[c.index] = c.finished
-            yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
-                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            yield chunk(ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs,
+                                         finish_reason=finish_reason, stop_reason=c.stop_reason))
     if request.include_usage() and final is not None:
         yield sse(ChatCompletionChunk(id=request_id, created=created, model=serving.model_name, choices=[],
                                       usage=_usage(generation, [final])))
+
+
+def _final_tool_delta(text: str, sent: int, message: DeltaMessage, finish_reason):
+    """The last delta of a streamed choice that may hold tool calls: the content not sent yet, and the calls."""
+    content, calls = tool_calls.parse_tool_calls(text)
+    if not calls:
+        return message, finish_reason
+    rest = (content or "")[sent:] if (content or "").startswith(text[:sent]) else ""
+    return DeltaMessage(content=rest or None, tool_calls=tool_calls.call_deltas(calls)), "tool_calls"

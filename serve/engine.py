@@ -7,8 +7,10 @@
     touched = postprocessor.apply(...)        # forks for n > 1, text, stop strings, finished -> blocks freed now
 
 A request is a Request with n Sequences; blocks of finished or aborted sequences return to the pool in the same
-step. Requests arrive validated (validation.py: the entry points check them, the engine trusts them). Everything
-here runs on one thread (AsyncLLMEngine drives it from a background thread).
+step. A request with structured output (params.guided) gets its grammar's matcher at add_request (structured.py):
+the sampler masks its rows, the postprocessor advances the matcher. Requests arrive validated (validation.py: the
+entry points check them, the engine trusts them). Everything here runs on one thread (AsyncLLMEngine drives it
+from a background thread).
 
 The drivers call guarded_step(): a step that raises (a request some bound missed, a kernel error) fails the requests
 it was running, logs one traceback, and the engine goes on with the others; MAX_FAILED_STEPS failures in a row
@@ -34,6 +36,7 @@ from quantkit.serve.sampler import Sampler
 from quantkit.serve.scheduler import Scheduler
 from quantkit.serve.sequence import Request, SequenceStatus
 from quantkit.serve.speculative import build_speculator
+from quantkit.serve.structured import StructuredOutputs
 from quantkit.serve.validation import ValidRequest
 
 log = logging.getLogger("quantkit.serve")
@@ -69,6 +72,7 @@ class LLMEngine:
         self.speculator = build_speculator(self.cfg, self.runner, self.block_manager, self.max_model_len, draft_model)
         self.scheduler = Scheduler(self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
         self.sampler = Sampler(self.eos_token_ids, self.cfg.seed)
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)  # grammars, on demand
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.counters = EngineStats(self.scheduler, self.block_manager, self.speculator, self.runner.capacity_tokens,
                                     self.cfg.log_stats_interval)
@@ -84,6 +88,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         queued = Request(request_id, request.prompt_token_ids, request.params, prompt, request.max_tokens,
                          arrival_time)
+        if request.params.guided is not None:  # structured output: its grammar starts compiling now
+            queued.seqs[0].matcher = self.structured.start(request.params.guided)
         self.requests[request_id] = queued
         self.scheduler.add(queued.seqs[0])
 

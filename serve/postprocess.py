@@ -5,7 +5,9 @@
       prompt-logprob rows                -> request.prompt_logprobs (echo)
       sample rows                        -> one token a sequence; a request's first sample forks it into n
       draft-verifying rows               -> the accepted drafts + one token; rejected drafts' KV is given up
-      every token                        -> logprobs, metrics, EOS / stop ids / stop strings / length, text
+      every token                        -> the grammar's matcher (structured output) advances with it;
+                                            logprobs, metrics, EOS / stop ids / stop strings / grammar end /
+                                            length, text
       a finished sequence                -> out of the scheduler, its blocks back in the pool in this step
       a finished request                 -> out of `requests`, its finish reasons counted
 
@@ -103,6 +105,7 @@ class Postprocessor:
         children = []
         for index in range(1, n):
             child = Sequence(request, index, list(parent.token_ids))
+            child.matcher = parent.matcher.fork() if parent.matcher is not None else None
             self.scheduler.add_forked(parent, child)
             request.seqs.append(child)
             children.append(child)
@@ -112,6 +115,7 @@ class Postprocessor:
                       now: float) -> None:
         request, params = seq.request, seq.request.params
         seq.token_ids.append(token)
+        grammar_done = seq.matcher is not None and seq.matcher.advance(token)
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += chosen
@@ -137,6 +141,8 @@ class Postprocessor:
                 if hit is not None:
                     seq.text = seq.text[: hit[0]]
                     status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, hit[1]
+        if status is None and grammar_done:
+            status = SequenceStatus.FINISHED_STOPPED
         if status is None and (seq.num_output_tokens >= request.max_tokens or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
         if status is None:

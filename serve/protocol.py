@@ -85,6 +85,13 @@ class SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     return_tokens_as_token_ids: StrictBool = False  # vLLM's extension: logprob tokens as "token_id:{id}"
     user: Name | None = None
+    # structured output (serve/structured.py): at most one of them; checked with the request (SamplingParams.validate)
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema"}
+    guided_json: Union[dict[str, Any], str, None] = None  # vLLM's extensions
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer form: {"json" | "regex" | "choice" | "grammar"}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -121,8 +128,31 @@ class ChatMessage(BaseModel):
         return "".join(part.text or "" for part in self.content if part.type == "text")
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: dict[str, Any]  # {"name": ...}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None  # serve/tools.py
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, strict=True, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
@@ -253,7 +283,7 @@ class ChatLogProbs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
 
 
 class CompletionChoice(BaseModel):
@@ -273,9 +303,30 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """The reply; tool_calls only when the model called tools (then content is what it said besides, or null)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer
+    def _present_fields(self) -> dict:
+        body = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            body["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return body
 
 
 class ChatChoice(BaseModel):
@@ -296,14 +347,17 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """A streamed chat delta: only the fields it carries are sent ({"role", "content"} first, then "content")."""
+    """A streamed chat delta: only the fields it carries are sent ({"role", "content"} first, then "content"; tool
+    calls as entries with their index, which the client accumulates)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None
 
     @model_serializer
     def _present_fields(self) -> dict:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+                if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

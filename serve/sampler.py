@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.serve.sampling_params import SamplingParams
+from quantkit.serve.structured import mask_rows
 
 NEG_INF = float("-inf")
 
@@ -123,10 +124,12 @@ class Sampler:
         return SamplerOutput(token_list, logprobs, chosen)
 
     def _constrain(self, logits: torch.Tensor, seqs: list, params: list[SamplingParams]) -> torch.Tensor:
-        """Penalties and min_tokens (EOS / stop ids masked until min_tokens outputs exist)."""
+        """Penalties, min_tokens (EOS / stop ids masked until min_tokens outputs exist), then the grammar mask of
+        constrained rows (structured.py). A row none of them applies to is returned bit for bit as it came."""
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         ban_rows = [i for i, (s, p) in enumerate(zip(seqs, params)) if s.num_output_tokens < p.min_tokens]
-        if not pen_rows and not ban_rows:
+        guided_rows = [i for i, s in enumerate(seqs) if getattr(s, "matcher", None) is not None]
+        if not pen_rows and not ban_rows and not guided_rows:
             return logits
         logits = logits.clone()
         if pen_rows:
@@ -141,6 +144,8 @@ class Sampler:
             banned = [t for t in banned if t < logits.shape[1]]
             if banned:
                 logits[i, banned] = NEG_INF
+        if guided_rows:
+            mask_rows(logits, guided_rows, [seqs[i].matcher for i in guided_rows])
         return logits
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators, greedy: list[bool]):

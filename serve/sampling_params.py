@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from quantkit.serve.structured import GuidedDecoding
+
 MAX_LOGPROBS = 20  # top logprobs per token the engine will return (OpenAI's limit for chat top_logprobs)
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # vLLM's: a signed 64-bit integer (torch.Generator takes it)
 # Stop conditions are checked on every token of every sequence: a request may bring at most MAX_STOP stop strings
@@ -28,6 +30,7 @@ class SamplingParams:
     max_tokens: None = up to max_model_len.  min_tokens: EOS and stop_token_ids are masked before this many.
     logprobs: top logprobs per generated token (0 = only the chosen token's); None = none.
     prompt_logprobs: the same for every prompt token (echo); None = none.
+    guided: structured output (structured.py): a grammar the output must follow; None = unconstrained.
     """
 
     n: int = 1
@@ -47,6 +50,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -121,6 +125,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.skip_special_tokens, bool):
             raise ValueError("ignore_eos and skip_special_tokens must be booleans.")
+        if self.guided is not None:
+            self.guided.validate()
         return self
 
 

@@ -63,6 +63,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
         self.stop_reason: str | int | None = None
         self.generator = request.generators[index] if request.generators else None
+        self.matcher = None  # structured.GuidedState: the output follows a grammar (set by the engine)
 
     @property
     def num_tokens(self) -> int:

@@ -13,7 +13,9 @@ num_blocks), so it needs no block manager of its own; seq.draft_computed says ho
 Speculation is skipped for a step when more than `speculative_disable_by_batch_size` sequences are decoding
 (the verification pass then costs more than it saves: bench/spec_decode.py measures where), and for a sequence
 whose acceptance rate stays below `speculative_min_acceptance` after MIN_EVIDENCE draft tokens. Sequences with
-penalties or an unmet min_tokens are not speculated (their logits depend on the tokens being drafted).
+penalties or an unmet min_tokens are not speculated (their logits depend on the tokens being drafted), and neither
+are constrained ones (structured output, seq.matcher): their tokens all come from the sampler's masked rows, so
+the grammar holds for every emitted token, and verification needs no mask of its own.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ class Speculator:
 
     def eligible(self, seq: Sequence) -> bool:
         params = seq.request.params
-        return (not seq.spec_off and seq.request.forked and not params.has_penalties
+        return (not seq.spec_off and seq.request.forked and not params.has_penalties and seq.matcher is None
                 and seq.num_output_tokens >= params.min_tokens and is_decoding(seq))
 
     def propose(self, running: list[Sequence]) -> None:

@@ -179,6 +179,25 @@ def test_models_health_version_tokenize(http, bundled):
     assert http.post("/detokenize", json={"model": MODEL_NAME, "tokens": tokens["tokens"]}).json() == {"prompt": text}
 
 
+def test_models_retrieve_gives_the_served_card_and_404s_otherwise(http, oai):
+    import openai
+
+    card = oai.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.object == "model"
+    assert http.get(f"/v1/models/{MODEL_NAME}").json() == http.get("/v1/models").json()["data"][0]
+    error = assert_error(http.get("/v1/models/gpt-9"), 404, "NotFoundError", "model")
+    assert error["message"] == "The model `gpt-9` does not exist."
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("org/other-model")
+
+
+def test_structured_output_on_both_back_ends(oai):
+    """The grammar travels with the request to the engine process too (test_structured_output.py: the rest)."""
+    out = oai.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=10, temperature=0,
+                                      extra_body={"guided_choice": ["red", "orange", "violet"]})
+    assert out.choices[0].message.content in ("red", "orange", "violet") and out.choices[0].finish_reason == "stop"
+
+
 def test_completion_shape_and_prompt_forms(http, bundled):
     text = "The capital of France is"
     ids = bundled.tokenizer(text).input_ids
