@@ -5,9 +5,10 @@
 Shapes are the bundled SmolLM2-135M's MLP (1536 x 576 and 576 x 1536). For each scheme and row count M it times
 (best of --repeats, microseconds of this process's CPU time, which other processes on a shared machine disturb
 less than wall time): the float Linear in fp32 and bf16, QLinear with fp32 input (always dequantize +
-matmul) and QLinear with bf16 input (torch's packed kernel when M <= the kernel's threshold, else dequantize +
-matmul), plus the packed kernel forced at every M, which is how qlinear._KERNEL_MAX_M was chosen (the M where the
-kernel stops beating one dequantization).
+matmul) and QLinear with bf16 input (what QLinear.forward picks: on AMX CPUs the GEMV of kernels/cpu/gemv.py
+below 5 rows and the AMX GEMM from 5; elsewhere torch's packed kernel when M <= the kernel's threshold, else
+dequantize + matmul), plus torch's packed kernel forced at every M, which is how qlinear._KERNEL_MAX_M was chosen
+(the M where the kernel stops beating one dequantization). bench/cpu_gemv.py compares the few-row kernels.
 """
 
 from __future__ import annotations

@@ -10,5 +10,7 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
+        if name == "LLM":  # a bounded OpenMP spin-wait, set before torch loads (serve/cpu_threads.py)
+            importlib.import_module("quantkit.serve.cpu_threads").wait_policy_env()
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'quantkit' has no attribute {name!r}")

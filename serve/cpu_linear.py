@@ -17,6 +17,8 @@ from torch import nn
 
 from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
 from quantkit.kernels.cpu import gemm as cpu_gemm
+from quantkit.kernels.cpu import gemv as cpu_gemv
+from quantkit.kernels.cpu.fused import CpuFusedOps
 
 
 class PackedLinear(nn.Module):
@@ -111,10 +113,17 @@ class FusedLinear(nn.Module):
         """x [..., K] bf16 -> one [..., N_i] view per part; with act, silu(gate) * up [..., I]."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.bits != 16 and x2.shape[0] < _AMX_MIN_M:  # few rows: the parts' own per-row kernels
+        m = x2.shape[0]
+        if self.bits == 16 or m >= _AMX_MIN_M:
+            y = cpu_gemm.matmul_packed(x2, self.perm, self.weight, self.bits, self.act)
+        elif 0 < m <= cpu_gemv.MAX_ROWS and cpu_gemv.available() and (
+                not self.act or isinstance(self.mlp.ops, CpuFusedOps)):
+            # few rows: the GEMV on the fused weight; its act epilogue is CpuFusedOps.silu_mul's arithmetic, so
+            # with other ops the parts run alone and the MLP's own silu_mul follows
+            y = cpu_gemv.matmul(x2.contiguous(), self.perm, self.weight, self.bits, self.act)
+        else:  # the parts' own per-row kernels
             outs = tuple(p(x) for p in self.parts)
             return self.mlp.ops.silu_mul(*outs) if self.act else outs
-        y = cpu_gemm.matmul_packed(x2, self.perm, self.weight, self.bits, self.act)
         if self.act:
             return y.view(*lead, self.sizes[0])
         if self.bias is not None:

@@ -1,8 +1,9 @@
 """The engine in its own process: EngineProcess (the server side) and main() (the child, `python -m`).
 
 The child loads the model, builds the LLMEngine and steps it; the server process keeps HTTP, tokenising and SSE.
-They share no GIL, so neither waits for the other, and the child's OpenMP threads keep their default spin-wait
-(on 2 cores the engine step ran 1.7x faster than with passive waits, which a thread inside the server needed).
+They share no GIL, so neither waits for the other. The child's OpenMP threads spin-wait for a bounded time
+(serve/cpu_threads.wait_policy_env: short enough not to fight other processes for a busy core, long enough that a
+quiet step does not pay passive waits, which ran 1.7x slower on 2 cores), unless the user set a policy.
 
 Wire: one socketpair, pickled tuples (multiprocessing.connection framing).
   server -> child: ("add", request_id, ValidRequest, prompt) | ("abort", request_id)
@@ -18,6 +19,7 @@ before that step, as in the in-process engine.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -31,6 +33,7 @@ from multiprocessing.connection import Connection
 from quantkit.errors import QuantkitError
 from quantkit.serve.async_engine import _END, EngineDeadError, EngineFrontend
 from quantkit.serve.config import EngineConfig
+from quantkit.serve.cpu_threads import wait_policy_env
 from quantkit.serve.validation import ValidRequest
 
 log = logging.getLogger("quantkit.serve")
@@ -44,7 +47,7 @@ class EngineProcess(EngineFrontend):
         super().__init__(0, 0, config.max_num_seqs, {})
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "quantkit.serve.engine_process", str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()])
+                                      pass_fds=[theirs.fileno()], env=wait_policy_env(dict(os.environ)))
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()

@@ -19,6 +19,7 @@ from quantkit.models.attention import kv_window, unsupported_by_paged_attention
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, TritonPagedAttention
 from quantkit.serve.capacity import capacity_line, kv_bytes_per_token, num_kv_blocks
 from quantkit.serve.config import EngineConfig
+from quantkit.serve.cpu_threads import ThreadGovernor
 from quantkit.kernels.cpu.paged_decode import load_decode_kernel
 from quantkit.kernels.cpu.paged_prefill import load_prefill_kernel
 from quantkit.serve.prepare import prepare_model
@@ -92,6 +93,7 @@ class ModelRunner:
             for cache in (c for pair in self.kv_caches for c in pair):  # the low block ids of every cache
                 prefault(cache, PREFAULT_BYTES // (2 * self.num_layers))
         self.attn = self._backend(self.kv_caches)
+        self.threads = ThreadGovernor.for_device(self.device)  # CPU: threads to the cores others leave free
         log.info(capacity_line(self.num_blocks, self.block_size, max_model_len))
 
     @property
@@ -280,6 +282,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch, blocks_to_copy: list[tuple[int, int]]) -> torch.Tensor:
         """-> float32 logits [R, V] at batch.logits_indices (R may be 0)."""
+        if self.threads is not None:
+            self.threads.update()
         if blocks_to_copy:
             src = torch.tensor([c[0] for c in blocks_to_copy], device=self.device)
             dst = torch.tensor([c[1] for c in blocks_to_copy], device=self.device)

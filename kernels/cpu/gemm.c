@@ -96,16 +96,16 @@ void gemm_bf16(const uint16_t* x, int M, int K, const uint32_t* w, int64_t ws, i
 }
 
 /* one block's codes -> its VNNI block out [K/2][16] (bf16 of k = 2r in the low half, 2r + 1 in the high half) */
-static void dequant_block(const void* codes, const float* qp, int K, int gs, int bits, uint32_t* out) {
+static void dequant_block(const void* codes, const uint16_t* qp, int K, int gs, int bits, uint32_t* out) {
   const int pairs_per_group = gs / 2;
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   __m512 s = _mm512_setzero_ps(), z = s;
   for (int r = 0; r < K / 2; r++) {
     if (r % pairs_per_group == 0) {
-      const float* p = qp + (int64_t)(r / pairs_per_group) * 32;
-      s = _mm512_loadu_ps(p);
-      z = _mm512_loadu_ps(p + 16);
+      const uint16_t* p = qp + (int64_t)(r / pairs_per_group) * 32;  /* fp16 scale, zero */
+      s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+      z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 16)));
     }
     __m512i v, lo, hi;
     if (bits == 4) {
@@ -125,9 +125,9 @@ static void dequant_block(const void* codes, const float* qp, int K, int gs, int
   }
 }
 
-/* the whole quantized weight (cs bytes of codes, qs floats of qparams from one block to the next) -> w in the
+/* the whole quantized weight (cs bytes of codes, qs fp16 of qparams from one block to the next) -> w in the
    bf16 VNNI layout, contiguous */
-void dequant_vnni(const void* codes, int64_t cs, const float* qp, int64_t qs, int N, int K, int gs, int bits,
+void dequant_vnni(const void* codes, int64_t cs, const uint16_t* qp, int64_t qs, int N, int K, int gs, int bits,
                   uint32_t* w, int threads) {
   const int64_t block = (int64_t)(K / 2) * 16;
   #pragma omp parallel for num_threads(threads) schedule(static)
@@ -137,8 +137,8 @@ void dequant_vnni(const void* codes, int64_t cs, const float* qp, int64_t qs, in
 
 /* y = x [M, K] bf16 @ dequantize(W)^T (block strides and act as dequant_vnni and gemm_bf16): each pair of column
    blocks is dequantized into an L2 buffer, then every row of x runs on it */
-void qgemm(const uint16_t* x, int M, int K, const void* codes, int64_t cs, const float* qp, int64_t qs, int N, int gs,
-           int bits, uint16_t* y, int threads, int act) {
+void qgemm(const uint16_t* x, int M, int K, const void* codes, int64_t cs, const uint16_t* qp, int64_t qs, int N,
+           int gs, int bits, uint16_t* y, int threads, int act) {
   const int nblocks = N / 16, pairs = (nblocks + 1) / 2;
   const int64_t block = (int64_t)(K / 2) * 16, yn = act ? N / 2 : N;
   uint16_t* xpad = pad_tail(x, M, K);

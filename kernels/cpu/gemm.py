@@ -6,7 +6,8 @@ Weight layout ("VNNI", what TDPBF16PS takes as its B tile): 16 output columns pe
 so one 16 x 32 slice of K is one contiguous 1 KiB tile. Quantized weights (`pack_quantized`):
   codes  4-bit: uint8  [N/16, K/2, 16]  byte = q[n, 2r] | q[n, 2r + 1] << 4
          8-bit: uint16 [N/16, K/2, 16]  q[n, 2r] | q[n, 2r + 1] << 8   (held as int16)
-  qparams fp32 [N/16, G, 2, 16]         (scale, zero) per column of the block and group
+  qparams fp16 [N/16, G, 2, 16]         (scale, zero) per column of the block and group: the format's fp16
+                                        scale and the zero exactly, 64 bytes per block and group
 dequantized to the bf16 layout (w = s * (q - z) in fp32, rounded to bf16 exactly as `dequantize(qt, bfloat16)`).
 Needs N % 16 == 0 and K % 32 == 0 (and an even group size): the pack functions return None otherwise, and the
 launchers check x and the packed weight against what the C code assumes before passing their pointers. A packed
@@ -92,11 +93,11 @@ def _check_vnni(packed: torch.Tensor) -> int:
 
 
 def _check_quantized(packed, bits: int) -> int:
-    """pack_quantized's (codes [N/16, K/2, 16] uint8 (4-bit) / int16 (8-bit), qparams fp32 [N/16, K/gs, 2, 16],
+    """pack_quantized's (codes [N/16, K/2, 16] uint8 (4-bit) / int16 (8-bit), qparams fp16 [N/16, K/gs, 2, 16],
     gs even), K % 32 == 0, each block contiguous -> K."""
     codes, qparams, gs = packed
     cs, qs = codes.shape, qparams.shape
-    if codes.dtype is not _CODE_DTYPES.get(bits) or qparams.dtype is not torch.float32 or len(cs) != 3 \
+    if codes.dtype is not _CODE_DTYPES.get(bits) or qparams.dtype is not torch.float16 or len(cs) != 3 \
             or len(qs) != 4 or cs[1] % 16 or cs[2] != 16 or gs % 2 or qs[0] != cs[0] or qs[1] * gs != 2 * cs[1] \
             or qs[2] != 2 or qs[3] != 16 or (not codes.is_contiguous() and codes.stride()[1:] != (16, 1)) \
             or (not qparams.is_contiguous() and qparams.stride()[1:] != (32, 16, 1)):
@@ -167,7 +168,7 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     else:
         packed = (pairs[..., 0] | (pairs[..., 1] << 8)).to(torch.int16).contiguous()  # bit pattern of the uint16
     groups = scales.shape[1]
-    qparams = torch.stack([scales.float().view(n // 16, 16, groups), zeros.float().view(n // 16, 16, groups)], dim=2)
+    qparams = torch.stack([scales.half().view(n // 16, 16, groups), zeros.half().view(n // 16, 16, groups)], dim=2)
     return packed, qparams.permute(0, 3, 2, 1).contiguous(), gs  # [N/16, G, 2, 16]
 
 
@@ -187,7 +188,7 @@ def prepare(qt: QTensor):
 
 
 def _strides(packed) -> tuple[int, int]:
-    """(bytes between code blocks, floats between qparam blocks) of a packed weight or a view of whole blocks."""
+    """(bytes between code blocks, halves between qparam blocks) of a packed weight or a view of whole blocks."""
     codes, qparams, _ = packed
     return codes.stride(0) * codes.element_size(), qparams.stride(0)
 
@@ -196,15 +197,21 @@ def _strides(packed) -> tuple[int, int]:
 def matmul_quantized(x: torch.Tensor, packed, bits: int, act: bool = False) -> torch.Tensor:
     """y = x @ dequantize(W)^T (act as in matmul_bf16)."""
     _check_x(x, _check_quantized(packed, bits))
+    if x.shape[0] > _FUSED_MAX_M:
+        return matmul_bf16(x, dequantize_vnni(packed, bits), act)
+    return run_quantized(_library().qgemm, x, packed, bits, act)
+
+
+def run_quantized(kernel, x: torch.Tensor, packed, bits: int, act: bool) -> torch.Tensor:
+    """y [M, N] bf16 ([M, N/2] with act) from a C kernel taking qgemm's arguments (gemm.c's qgemm, gemv.c's
+    qgemv), x and the packed weight already checked."""
     codes, qparams, gs = packed
     m, k = x.shape
-    if m > _FUSED_MAX_M:
-        return matmul_bf16(x, dequantize_vnni(packed, bits), act)
     n = codes.shape[0] * 16
     y = torch.empty(m, _out_columns(n, act), dtype=torch.bfloat16)
     cs, qs = _strides(packed)
-    _library().qgemm(x.data_ptr(), m, k, codes.data_ptr(), cs, qparams.data_ptr(), qs, n, gs, bits, y.data_ptr(),
-                     torch.get_num_threads(), act)
+    kernel(x.data_ptr(), m, k, codes.data_ptr(), cs, qparams.data_ptr(), qs, n, gs, bits, y.data_ptr(),
+           torch.get_num_threads(), act)
     return y
 
 

@@ -1,4 +1,5 @@
-"""`quantkit bench serve` (load test of a live OpenAI-compatible server) and `quantkit bench throughput` (offline)."""
+"""`quantkit bench serve` (load test of a live OpenAI-compatible server), `quantkit bench throughput` (offline) and
+`quantkit bench step` (where a decode step's time goes)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,34 @@ def throughput(
     if save_result is not None:
         write_json(save_result, {"model": llm.loaded.source, "dataset": dataset, "max_tokens": max_tokens,
                                  "max_num_seqs": max_num_seqs, **result})
+
+
+@bench_app.command("step")
+def step(
+    model: Optional[str] = typer.Argument(None, help="model folder, .gguf or cached Hub id (default: bundled)"),
+    batch: str = typer.Option("1,8,64", "--batch", help="comma-separated batch sizes (decoding sequences)"),
+    steps: int = typer.Option(16, "--steps", help="decode steps timed per batch size"),
+    prompt_len: int = typer.Option(128, "--prompt-len", help="random prompt tokens per sequence"),
+    dtype: str = typer.Option("auto", "--dtype"),
+    kv_cache_memory: Optional[int] = typer.Option(None, "--kv-cache-memory", help="bytes for the KV pool (default: automatic)"),
+) -> None:
+    """Per batch size: a decode step's wall time, the time inside the kernels, the host remainder and the memory
+    floor (weights + KV bytes over a measured copy bandwidth)."""
+    from quantkit.errors import QuantkitError
+
+    try:
+        batches = [int(b) for b in batch.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1 or steps < 1 or prompt_len < 1:
+        raise QuantkitError(f"--batch must be positive integers like 1,8,64 (got {batch!r}); --steps and "
+                            f"--prompt-len at least 1")
+    from quantkit.benchmark.step import format_table, profile_steps
+    from quantkit.serve.llm import build_engine
+
+    engine = build_engine(model, dtype=dtype, max_num_seqs=max(batches), kv_cache_memory=kv_cache_memory,
+                          max_model_len=prompt_len + steps + 8)
+    typer.echo(format_table(profile_steps(engine, batches, prompt_len, steps)))
 
 
 def register(app: typer.Typer) -> None:

@@ -49,6 +49,9 @@ def serve(
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
 ) -> None:
     """Serve a model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics, ...)."""
+    from quantkit.serve.cpu_threads import wait_policy_env
+
+    wait_policy_env()  # a bounded OpenMP spin-wait, before torch loads here and in the engine process (inherited)
     from quantkit.serve.config import EngineConfig
     from quantkit.serve.server import ServerOptions, run_server
 

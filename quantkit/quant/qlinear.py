@@ -16,9 +16,13 @@ layer) is built on first use and cached per device (`prepared(backend)`):
                     16-column blocks into L2 and run AMX tile matmuls on them (~0.63 B/weight at 4 bit), where
                     torch's per-row kernels are 6-8x slower than a bf16 matmul at 64 rows; at prefill sizes one C
                     dequantization of the whole weight, then the same AMX GEMM
+  CPU with AMX and AVX512-BF16, bfloat16, 1 <= M <= gemv.MAX_ROWS (4)   "amx" again: kernels/cpu/gemv.py's
+                    GEMV streams the same packed codes once per call (decode of 1-4 sequences; 1.0-1.5x torch's
+                    per-row int4 kernel, 1.5-2.2x its two-call int8 one on SmolLM2's shapes, bench/cpu_gemv.py),
+                    and no tinygemm copy is built (SmolLM2 W4 g64: 1.48 -> 1.11 B/weight held)
   CPU, bfloat16, 0 < M <= _KERNEL_MAX_M[kind]   "tinygemm": kernels/cpu/tinygemm.py, torch's packed int4/int8
                     kernels (kind int4, int8 or int8_hilo; the layouts and identities are in that file; the int8
-                    kind reuses qweight)
+                    kind reuses qweight): CPUs without AMX, and layers the AMX packing does not take
   otherwise         dequantize to x's dtype (fp32 math), then F.linear: no cached float weight (memory stays at
                     the packed size). torch vectorizes its int4/int8 CPU kernels for bfloat16 only: fp32/fp16 inputs
                     take a scalar path no faster than dequantize + matmul at one row and ~35x slower at 64 rows; and
@@ -35,14 +39,15 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.cpu import gemm as cpu_gemm
+from quantkit.kernels.cpu import gemv as cpu_gemv
 from quantkit.kernels.cpu import tinygemm
 from quantkit.quant.scheme import QTensor, dequantize, num_groups, pack_nibbles, unpack_nibbles
 
 # Largest row count M for which the packed kernel beats dequantize + matmul (bf16, 1 thread, bench/qlinear_cpu.py:
 # a kernel costs ~22 us per row per 0.9M weights (~45 us for the two-call int8_hilo), one dequantization ~2 ms).
 _KERNEL_MAX_M = {"int4": 64, "int8": 64, "int8_hilo": 32}
-# CPUs with AMX (kernels/cpu/gemm.py): below _AMX_MIN_M rows torch's per-row kernel skips the dequantization and
-# wins; from there the AMX dequant-GEMM (bench/qlinear_cpu.py)
+# CPUs with AMX (kernels/cpu/gemm.py): from _AMX_MIN_M rows the AMX dequant-GEMM; below, the GEMV of
+# kernels/cpu/gemv.py on the same packing (bench/qlinear_cpu.py, bench/cpu_gemv.py)
 _AMX_MIN_M = 5
 
 
@@ -143,9 +148,14 @@ class QLinear(nn.Module):
         """x2 [M, K] -> [M, N] in x2's dtype, without bias: the first backend that takes this call."""
         m = x2.shape[0]
         if x2.dtype == torch.bfloat16:
-            amx = self.prepared("amx") if m >= _AMX_MIN_M else None
-            if amx is not None:
-                return cpu_gemm.matmul_packed(x2, *amx, self.bits)
+            if m >= _AMX_MIN_M:
+                amx = self.prepared("amx")
+                if amx is not None:
+                    return cpu_gemm.matmul_packed(x2, *amx, self.bits)
+            elif 0 < m <= cpu_gemv.MAX_ROWS and cpu_gemv.available():
+                amx = self.prepared("amx")  # the GEMV streams the AMX packing: no copy of its own
+                if amx is not None:
+                    return cpu_gemv.matmul(x2, *amx, self.bits)
             packed = self.prepared("tinygemm")
             if packed is not None and 0 < m <= _KERNEL_MAX_M[packed[0]]:
                 return tinygemm.matmul(x2, packed)

@@ -1,6 +1,6 @@
 """quant/qlinear.py: QLinear keeps the exact QTensor, its reference forward is dequantize-then-matmul, and every CPU
-packed-kernel path (torch's per-row kernels, the AMX dequant-GEMM of kernels/cpu/gemm.py) reproduces
-dequantize(qt) @ x.
+packed-kernel path (torch's per-row kernels, the AMX dequant-GEMM of kernels/cpu/gemm.py, the GEMV of
+kernels/cpu/gemv.py on the same packing) reproduces dequantize(qt) @ x.
 
 Exactness of the fast paths: the kernels take bf16 inputs and bf16 scale/zero terms and return bf16, so with power-of-two
 scales and one-hot inputs every product and sum is exact (|q - z| <= 255 fits bf16's 8 significant bits): feeding
@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from quantkit.config import QuantScheme
 from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
 from quantkit.kernels.cpu import gemm as cpu_gemm
+from quantkit.kernels.cpu import gemv as cpu_gemv
+from quantkit.kernels.cpu import tinygemm
 from quantkit.quant.scheme import QTensor, dequantize, fit_qparams, quantize, quantize_rtn
 
 
@@ -75,11 +77,22 @@ def test_fp32_forward_is_dequantize_then_matmul(case):
 
 
 needs_amx = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU has no AMX (or Linux refused it)")
+# below _AMX_MIN_M rows: the GEMV on the AMX packing where both exist, else torch's per-row kernels
+GEMV = cpu_gemm.available() and cpu_gemv.available()
 
 
-# rows per call: below _AMX_MIN_M torch's packed kernel of each kind; 24 (padded to 32: two AMX row tiles) the AMX
-# dequant-GEMM
-@pytest.mark.parametrize("chunk", [_AMX_MIN_M - 1, pytest.param(24, marks=needs_amx)])
+def assert_backend(layer: QLinear, rows: int, kind: str) -> None:
+    """The backends a forward of `rows` rows built: the AMX packing alone (AMX GEMM, or the GEMV below _AMX_MIN_M),
+    or torch's per-row kernel of `kind`."""
+    if rows >= _AMX_MIN_M or GEMV:
+        assert "tinygemm" not in layer._prepared and layer._prepared["amx"] is not None
+    else:
+        assert layer._prepared["tinygemm"][0] == kind
+
+
+# rows per call: 1 and _AMX_MIN_M - 1 the GEMV (or torch's packed kernel of each kind); 24 (padded to 32: two AMX
+# row tiles) the AMX dequant-GEMM
+@pytest.mark.parametrize("chunk", [1, _AMX_MIN_M - 1, pytest.param(24, marks=needs_amx)])
 @pytest.mark.parametrize("case", list(FAST))
 def test_cpu_kernel_reproduces_the_dequantized_weight_exactly(case, chunk):
     n, k, bits, g, sym, act, kind = FAST[case]
@@ -87,14 +100,23 @@ def test_cpu_kernel_reproduces_the_dequantized_weight_exactly(case, chunk):
     layer = QLinear.from_qtensor(qt)
     eye = torch.eye(k, dtype=torch.bfloat16)
     rows = [layer(part) for part in eye.split(chunk)]
-    if chunk < _AMX_MIN_M:
-        assert layer._prepared["tinygemm"][0] == kind
-    else:
-        assert "tinygemm" not in layer._prepared and layer._prepared["amx"] is not None
+    assert_backend(layer, chunk, kind)
     assert torch.equal(torch.cat(rows).float(), dequantize(qt).T)
 
 
-@pytest.mark.parametrize("rows", [3, pytest.param(_AMX_MIN_M, marks=needs_amx), pytest.param(70, marks=needs_amx)])
+@pytest.mark.parametrize("case", list(FAST))
+def test_torch_per_row_kernels_reproduce_the_dequantized_weight_exactly(case):
+    """The fallback for CPUs without AMX or AVX512-BF16, called directly (QLinear takes the GEMV where it can)."""
+    n, k, bits, g, sym, act, kind = FAST[case]
+    qt = make_qtensor(n, k, bits, g, sym, act, pow2_scales=True, seed=2)
+    packed = QLinear.from_qtensor(qt).prepared("tinygemm")
+    assert packed[0] == kind
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    rows = [tinygemm.matmul(part.contiguous(), packed) for part in eye.split(_AMX_MIN_M - 1)]
+    assert torch.equal(torch.cat(rows).float(), dequantize(qt).T)
+
+
+@pytest.mark.parametrize("rows", [1, 3, pytest.param(_AMX_MIN_M, marks=needs_amx), pytest.param(70, marks=needs_amx)])
 @pytest.mark.parametrize("case", list(FAST))
 def test_cpu_kernel_matches_reference_on_random_inputs(case, rows):
     """Tolerance: the kernels round scale and zero terms to bf16 (relative 2^-9 each) and the output to bf16
@@ -107,7 +129,7 @@ def test_cpu_kernel_matches_reference_on_random_inputs(case, rows):
     x = torch.randn(rows, k).bfloat16()
     y = layer(x)
     assert y.dtype == torch.bfloat16
-    assert layer._prepared["tinygemm"][0] == kind if rows < _AMX_MIN_M else layer._prepared["amx"] is not None
+    assert_backend(layer, rows, kind)
     w = dequantize(qt)
     ref = x.float() @ w.T + bias.float()
     s_full = qt.scales.float()[:, qt.group_index()]
@@ -160,9 +182,16 @@ def unequal_g_idx(k=128) -> torch.Tensor:
 @pytest.mark.parametrize("qt", [random_qtensor(24, 128, 32), random_qtensor(32, 128, 32, unequal_g_idx()),
                                 random_qtensor(32, 96, 16)], ids=["N%16", "unequal-act-groups", "g16"])
 def test_layers_no_kernel_fits_use_the_reference(qt):
+    """No torch per-row kernel takes these; the AMX packing takes group 16 (any even group), so there the GEMV
+    runs where it can."""
     layer = QLinear.from_qtensor(qt)
     x = torch.randn(3, qt.shape[1]).bfloat16()
-    assert torch.equal(layer(x), F.linear(x, dequantize(qt, torch.bfloat16)))
+    ref = F.linear(x, dequantize(qt, torch.bfloat16))
+    if GEMV and qt.group_size == 16:
+        torch.testing.assert_close(layer(x), ref, atol=1e-2, rtol=2**-7)
+        assert layer._prepared["amx"] is not None
+    else:
+        assert torch.equal(layer(x), ref)
     assert layer.prepared("tinygemm") is None
 
 
