@@ -20,11 +20,16 @@ $(BIN)/quantkit: pyproject.toml
 
 setup: $(BIN)/quantkit
 
-# calibrate -> eval -> serve on the bundled SmolLM2-135M-Instruct
+# calibrate -> eval -> serve on the bundled SmolLM2-135M-Instruct, with no download and no data folder: calibrate
+# uses the set shipped in quantkit/calibration_data; eval reads the standard tasks from the local mirror in
+# QUANTKIT_DATA_DIR, by default the small subsets in tests/fixtures/data (50 ARC-Easy rows, 29 KB of WikiText-2
+# test: smoke-test numbers). For real numbers: make demo QUANTKIT_DATA_DIR=/path/to/full/mirror, or
+# QUANTKIT_DATA_DIR= (empty: ../shared/data beside the checkout, else the Hugging Face Hub through datasets).
+QUANTKIT_DATA_DIR ?= tests/fixtures/data
 demo: setup
 	$(BIN)/quantkit calibrate --recipe recipes/smollm2-135m-gptq-w4g64.yaml --out $(MODEL_OUT)
 	$(BIN)/quantkit info $(MODEL_OUT)
-	$(BIN)/quantkit eval $(MODEL_OUT) --tasks wikitext,arc_easy --limit 200
+	QUANTKIT_DATA_DIR=$(QUANTKIT_DATA_DIR) $(BIN)/quantkit eval $(MODEL_OUT) --tasks wikitext,arc_easy --limit 200
 	# serve it, ask one chat question through the OpenAI-compatible API, then stop the server (SIGTERM)
 	$(BIN)/quantkit serve $(MODEL_OUT) --port $(PORT) & pid=$$!; \
 	for i in $$(seq 120); do curl -sf http://127.0.0.1:$(PORT)/health >/dev/null && break; sleep 1; done; \

@@ -26,6 +26,7 @@ from quantkit.errors import QuantkitError
 
 KNOWN_FIELDS = 'text; prompt + completion; messages; question/context + choices + answer; prompt + answer'
 CONCAT_SEPARATOR = "\n\n"
+DEFAULT_CALIBRATION = "general.jsonl"  # in quantkit/calibration_data/
 
 
 @dataclass(frozen=True)
@@ -52,15 +53,19 @@ class CalibData:
 
 
 def shared_data_dir() -> Path:
-    """The evaluation / calibration data sets (../shared/data next to the repository, or $QUANTKIT_DATA_DIR)."""
+    """The local mirror of the standard data sets: $QUANTKIT_DATA_DIR, else ../shared/data beside a source checkout
+    (layout: evals/standard_sets.py; tests/fixtures/data is a tiny one)."""
     env = os.environ.get("QUANTKIT_DATA_DIR")
     return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def default_calibration_file() -> Path:
-    path = shared_data_dir() / "wikitext-2" / "valid.txt"
+    """The general calibration set shipped in the package (quantkit/calibration_data/README.md: WikiText-2 valid
+    articles and GSM8K problems, about 80k tokens of the bundled tokenizer: enough for 128 x 512 in concat mode)."""
+    path = Path(__file__).resolve().parent / "calibration_data" / DEFAULT_CALIBRATION
     if not path.is_file():
-        raise QuantkitError(f"no calibration data given and the default {path} is missing: pass --data FILE")
+        raise QuantkitError(f"no calibration data given and the shipped default {path} is missing (a broken "
+                            f"install?): pass --data FILE")
     return path
 
 
@@ -307,7 +312,7 @@ def calibration_batches(
     mode: str = "concat",
     seed: int = 0,
 ) -> CalibData:
-    """N samples x L tokens from a data file (None = wikitext-2 valid from the shared data).
+    """N samples x L tokens from a data file (None = the shipped general set, default_calibration_file()).
 
     concat: rows tokenized one by one, joined with the tokens of "\\n\\n" into one stream, cut into non-overlapping
             L-token chunks; N chunks picked at random (seeded), kept in stream order.

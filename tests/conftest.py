@@ -1,4 +1,5 @@
-"""Shared fixtures: the bundled model (loaded once per session) and tiny random configs of each family."""
+"""Shared fixtures: the bundled model (loaded once per session), tiny random configs of each family, and the data
+sets: small subsets shipped in tests/fixtures/data (README.md there), laid out as a QUANTKIT_DATA_DIR mirror."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+FIXTURE_DATA = REPO / "tests" / "fixtures" / "data"
+# Every test reads the shipped subsets: quantkit eval's standard sets, bench workloads and plan's traces all look in
+# $QUANTKIT_DATA_DIR first, so nothing falls through to a sibling data folder or the Hub (set here, over any value
+# the caller's shell has, so the tests behave the same in every checkout).
+os.environ["QUANTKIT_DATA_DIR"] = str(FIXTURE_DATA)
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.fail(f"{SHARED_DATA} is missing: the tests read the project's shared data sets from there")
-    return SHARED_DATA
+    """The data sets the tests read: tests/fixtures/data (the layout of a QUANTKIT_DATA_DIR mirror)."""
+    return FIXTURE_DATA
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Offline data for the task YAMLs beside this file (lm-eval calls these through `!function utils.NAME`):
-every loader reads ../shared/data (quantkit.data.shared_data_dir) and returns a DatasetDict with a "test" split."""
+every loader reads the standard set where quantkit.evals.standard_sets.locate finds it (a local mirror,
+$QUANTKIT_DATA_DIR, or the Hub) and returns a DatasetDict with a "test" split."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import re
 import datasets
 from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa: F401 (YAML)
 
-from quantkit.data import read_rows, shared_data_dir
+from quantkit.data import read_rows
 from quantkit.evals.multiple_choice import prompt_of
+from quantkit.evals.standard_sets import locate
 
 ARTICLE_TITLE = re.compile(r"^ = [^=].* = $")
 
@@ -32,22 +34,22 @@ def rows_dataset(path, kind: str = "choice") -> datasets.DatasetDict:
 
 
 def arc_easy(**_metadata) -> datasets.DatasetDict:
-    return rows_dataset(shared_data_dir() / "arc-easy" / "arc_easy_test.jsonl")
+    return rows_dataset(locate("arc_easy"))
 
 
 def piqa(**_metadata) -> datasets.DatasetDict:
-    return rows_dataset(shared_data_dir() / "piqa" / "piqa_validation.jsonl")
+    return rows_dataset(locate("piqa"))
 
 
 def hellaswag(**_metadata) -> datasets.DatasetDict:
-    return rows_dataset(shared_data_dir() / "hellaswag" / "hellaswag_val_3000.jsonl")
+    return rows_dataset(locate("hellaswag"))
 
 
 def wikitext(**_metadata) -> datasets.DatasetDict:
     """wikitext-2 test.txt cut into articles at their " = Title = " lines, each {"page": text} (as lm-eval's
     wikitext_document_level), scored by lm-eval's own detokenizer and word/byte perplexity."""
     pages, current = [], []
-    for line in (shared_data_dir() / "wikitext-2" / "test.txt").read_text(encoding="utf-8").splitlines(keepends=True):
+    for line in locate("wikitext").read_text(encoding="utf-8").splitlines(keepends=True):
         if ARTICLE_TITLE.match(line.rstrip("\n")) and current:
             pages.append("".join(current))
             current = []

@@ -1,6 +1,7 @@
 """Benchmark workloads: named data sets (or a user FILE) -> prompts with the output length each request asks for.
 
-Data lives in ../shared/data relative to the repo root (override with `data_dir`):
+Data lives in a local mirror (the layout of ../shared/data): `data_dir` (`--data-dir`), else $QUANTKIT_DATA_DIR,
+else ../shared/data beside a source checkout (quantkit.data.shared_data_dir); nothing here is shipped in the package:
   sharegpt    chat-sharegpt/      real first-turn ChatGPT prompts; no reply lengths stored -> a fixed output length
   alpacaeval  chat-alpacaeval/    prompts + GPT-4 reference answer length in words -> tokens at TOKENS_PER_WORD
   sonnet      sonnet/sonnet.txt   vLLM's shared-prefix workload: a fixed block of lines + randomly drawn lines
@@ -55,8 +56,10 @@ class BenchPrompt:
 
 
 def default_data_dir() -> Path:
-    """<repo>/../shared/data: quantkit/benchmark/datasets.py -> parents[2] is the repo root."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    """$QUANTKIT_DATA_DIR, else <repo>/../shared/data: the same lookup as quantkit eval's local mirror."""
+    from quantkit.data import shared_data_dir
+
+    return shared_data_dir()
 
 
 def data_file(name: str, data_dir: Optional[Path] = None) -> Path:
@@ -64,8 +67,8 @@ def data_file(name: str, data_dir: Optional[Path] = None) -> Path:
     path = root / _FILES[name]
     if not path.is_file():
         raise QuantkitError(
-            f"dataset {name!r} needs {path}, which does not exist: pass --data-dir DIR "
-            f"(the folder holding {_FILES[name].split('/')[0]}/) or give a prompts FILE (.jsonl or .txt)"
+            f"dataset {name!r} needs {path}, which does not exist: pass --data-dir DIR or set QUANTKIT_DATA_DIR "
+            f"(the folder holding {_FILES[name]}) or give a prompts FILE (.jsonl or .txt)"
         )
     return path
 

@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         damp: Optional[float] = typer.Option(None, help="GPTQ dampening, fraction of mean(diag H) (default 0.01)"),
         group_aware: Optional[bool] = typer.Option(None, "--group-aware/--no-group-aware", help="GPTQ without act-order: columns by descending Hessian diagonal inside each group, groups by their largest (default on; nothing changes on disk)"),
         layout: Optional[str] = typer.Option(None, "--format", help="gptq | gptq_v2 | awq | compressed-tensors (default: gptq when sym else gptq_v2; awq for 4-bit AWQ)"),
-        data: Optional[str] = typer.Option(None, help="calibration file (jsonl/txt/parquet/datasets folder; default: wikitext-2 valid of the shared data)"),
+        data: Optional[str] = typer.Option(None, help="calibration file (jsonl/txt/parquet/datasets folder; default: the general set shipped in quantkit/calibration_data: WikiText-2 prose + GSM8K math, about 80k tokens)"),
         num_samples: Optional[int] = typer.Option(None, "--num-samples", help="calibration samples N (default 128)"),
         seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sample L (default 512)"),
         data_mode: Optional[str] = typer.Option(None, "--data-mode", help="concat (chunks of a token stream) | rows (one sample per row)"),

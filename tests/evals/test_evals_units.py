@@ -55,10 +55,8 @@ def test_perplexity_equals_a_direct_torch_computation(base):
     assert torch.allclose(result.window_nll, nll.double().view(5, 23).mean(1), atol=1e-6)
 
 
-def test_text_windows_tokenize_once_without_bos(tok):
-    from quantkit.data import shared_data_dir
-
-    text = (shared_data_dir() / "wikitext-2" / "valid.txt").read_text()[:100_000]
+def test_text_windows_tokenize_once_without_bos(tok, shared_data):
+    text = (shared_data / "wikitext-2" / "valid.txt").read_text()[:100_000]
     ids = tok(text, add_special_tokens=False)["input_ids"]
     for L, count in ((16, 3), (512, 7), (100, 1)):  # only a prefix is tokenized: same tokens as the whole text
         assert text_windows(tok, text, L, max_windows=count).tolist() == torch.tensor(ids[: L * count]).view(count, L).tolist()
@@ -200,3 +198,88 @@ def test_report_files(tmp_path):
     assert "| arc_easy | acc | 10 | 7.5 | -2.5 [-2.5, -2.5] | points | 100 |" in paths["md"].read_text()
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["deltas.png", "report.json", "report.md"]
+
+
+# ---------------------------------------------------------------- where the standard sets come from
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """No Hub and an empty cache: the standard sets can only come from a local mirror."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def test_standard_sets_come_from_the_mirror_in_quantkit_data_dir(offline, monkeypatch, tmp_path, shared_data):
+    """A mirror built in a temp folder from tests/fixtures: locate() and the lm-eval task loaders read it."""
+    import shutil
+
+    from evals.tasks import utils
+    from quantkit.data import read_rows
+    from quantkit.evals.standard_sets import SETS, locate
+
+    mirror = tmp_path / "mirror"
+    for s in SETS.values():
+        (mirror / s.path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shared_data / s.path, mirror / s.path)
+    monkeypatch.setenv("QUANTKIT_DATA_DIR", str(mirror))
+    assert {name: locate(name) for name in SETS} == {name: mirror / s.path for name, s in SETS.items()}
+    piqa = utils.piqa()["test"]
+    rows = read_rows(mirror / "piqa" / "piqa_validation.jsonl")
+    assert len(piqa) == len(rows) and piqa["answer"] == [r.answer for r in rows]
+    pages = utils.wikitext()["test"]["page"]  # whole articles, every line of the text once (blank lead dropped)
+    assert "".join(pages).strip() == (mirror / "wikitext-2" / "test.txt").read_text().strip() and len(pages) > 1
+
+
+@pytest.mark.parametrize("data_dir", ["empty mirror", "unset"])
+def test_no_mirror_and_no_hub_is_one_error_naming_both(offline, monkeypatch, tmp_path, data_dir):
+    import quantkit.evals.standard_sets as std
+
+    if data_dir == "unset":  # a fresh clone: no QUANTKIT_DATA_DIR and no data folder beside the repository
+        monkeypatch.delenv("QUANTKIT_DATA_DIR")
+        monkeypatch.setattr(std, "shared_data_dir", lambda: tmp_path / "shared" / "data")
+    else:
+        monkeypatch.setenv("QUANTKIT_DATA_DIR", str(tmp_path))
+    with pytest.raises(QuantkitError) as e:
+        std.locate("arc_easy")
+    message = str(e.value)
+    assert "QUANTKIT_DATA_DIR" in message and "allenai/ai2_arc" in message and "Hugging Face Hub" in message
+    assert "HF_DATASETS_OFFLINE" in message and "arc-easy/arc_easy_test.jsonl" in message
+    assert ("is unset" in message) == (data_dir == "unset")
+
+
+def test_a_hub_set_is_converted_to_the_mirror_schema_and_cached(monkeypatch, tmp_path):
+    """Online without a mirror: datasets.load_dataset (here a stand-in with ARC's Hub schema) is called once, its rows
+    converted to the mirror's jsonl and cached; a failing fetch is the same error naming both options."""
+    import datasets
+
+    import quantkit.evals.standard_sets as std
+    from quantkit.data import read_rows
+
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("QUANTKIT_DATA_DIR", str(tmp_path / "none"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    calls = []
+    hub_rows = [{"id": "Mercury_1", "question": "Which is a gas?", "answerKey": "B",
+                 "choices": {"text": ["ice", "steam", "rock"], "label": ["A", "B", "C"]}}]
+
+    def load_dataset(path, name=None, split=None):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list(hub_rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    path = std.locate("arc_easy")
+    assert path == tmp_path / "cache" / "quantkit" / "standard-sets" / "arc-easy" / "arc_easy_test.jsonl"
+    (row,) = read_rows(path)
+    assert (row.id, row.prompt, row.choices, row.answer) == ("Mercury_1", "Which is a gas?", ("ice", "steam", "rock"), 1)
+    assert std.locate("arc_easy") == path and calls == [("allenai/ai2_arc", "ARC-Easy", "test")]  # cached
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("no route to host")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(QuantkitError, match=r"piqa: .*fetching baber/piqa, split validation from the Hub failed "
+                                            r"\(ConnectionError: no route to host\): either set QUANTKIT_DATA_DIR"):
+        std.locate("piqa")

@@ -1,6 +1,7 @@
 """quantkit.data on the bundled model's real tokenizer: row kinds, chat masks, calibration batches, errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +11,8 @@ from quantkit.data import (
     calibration_batches,
     fingerprint,
     read_rows,
+    default_calibration_file,
     read_text,
-    shared_data_dir,
     tokenize_row,
 )
 from quantkit.errors import QuantkitError
@@ -76,12 +77,33 @@ def test_txt_parquet_and_datasets_folder_give_the_same_rows(tmp_path):
     assert read_text(tmp_path / "d.parquet") == CONCAT_SEPARATOR.join(texts)
 
 
-def test_the_shared_data_sets_read(tok):
-    data = shared_data_dir()
-    arc = read_rows(data / "arc-easy" / "arc_easy_test.jsonl")
-    assert len(arc) == 2376 and all(r.kind == "choice" and len(r.choices) == 4 for r in arc)
-    assert len(read_rows(data / "gsm8k" / "test.jsonl")) == 1319
-    assert len(read_rows(data / "chat-sharegpt" / "sharegpt_v3_filtered_1000.jsonl")) == 1000
+def test_the_data_sets_read(shared_data):
+    """Every line of the fixture subsets becomes one row of the right kind (the reference: json.loads per line)."""
+    def lines(rel):
+        return [json.loads(line) for line in (shared_data / rel).read_text().splitlines() if line.strip()]
+
+    arc = read_rows(shared_data / "arc-easy" / "arc_easy_test.jsonl")
+    assert len(arc) == len(lines("arc-easy/arc_easy_test.jsonl")) and all(r.kind == "choice" and len(r.choices) == 4 for r in arc)
+    assert [r.answer for r in arc] == [rec["answer"] for rec in lines("arc-easy/arc_easy_test.jsonl")]
+    gsm = read_rows(shared_data / "gsm8k" / "test.jsonl")
+    assert [(r.kind, r.prompt) for r in gsm] == [("answer", rec["question"]) for rec in lines("gsm8k/test.jsonl")]
+    chats = read_rows(shared_data / "chat-sharegpt" / "sharegpt_v3_filtered_1000.jsonl")
+    assert [r.kind for r in chats] == ["chat"] * len(lines("chat-sharegpt/sharegpt_v3_filtered_1000.jsonl"))
+
+
+def test_the_default_calibration_set_is_shipped_and_fills_128_x_512(tok):
+    """No --data: the general set in quantkit/calibration_data (never a sibling data folder) gives the default
+    128 x 512 concat samples in full, from both of its domains."""
+    import quantkit
+
+    path = default_calibration_file()
+    assert path.parent == Path(quantkit.__file__).resolve().parent / "calibration_data"
+    assert (path.parent / "README.md").is_file()
+    rows = read_rows(path)
+    assert {r.id.split("-")[0] for r in rows} == {"wikitext", "gsm8k"}
+    data = calibration_batches(None, tok, num_samples=128, seq_len=512)
+    assert data.input_ids.shape == (128, 512) and data.stats["samples"] == 128
+    assert data.stats["source"] == str(path) and data.stats["tokens_total"] >= 128 * 512
 
 
 # ---------------------------------------------------------------- tokens and masks
@@ -140,11 +162,6 @@ def test_rows_mode_truncates_pads_and_keeps_the_chat_mask(tok, tmp_path):
     assert data.input_ids[1, : min(len(chat_ids), 48)].tolist() == chat_ids[:48]
     assert data.mask[1, : min(len(chat_ids), 48)].tolist() == chat_mask[:48]
     assert data.mask[0, : lengths[0]].all() and not data.mask[0, lengths[0] :].any()  # text rows: all real tokens
-
-
-def test_default_calibration_data_is_wikitext_valid(tok):
-    data = calibration_batches(None, tok, num_samples=4, seq_len=64, seed=0)
-    assert data.input_ids.shape == (4, 64) and data.stats["source"].endswith("wikitext-2/valid.txt")
 
 
 # ---------------------------------------------------------------- errors: one test per kind

@@ -141,13 +141,16 @@ def test_cards_and_folder_quantization():
 
 
 def test_azure_workload_lengths(shared_data):
+    path = shared_data / "azure-llm-trace-2023" / "AzureLLMInferenceTrace_conv.csv"
     conv = workload_lengths("azure-conv", data_dir=shared_data)
-    assert len(conv) == 19366  # README: 19,366 requests, mean context 1,155, mean generated 211
-    assert round(sum(p for p, _ in conv) / len(conv)) == 1155
-    assert round(sum(o for _, o in conv) / len(conv)) == 211
+    # the reference: the trace's columns split by hand (TIMESTAMP,ContextTokens,GeneratedTokens), header skipped
+    fields = [line.split(",") for line in path.read_text().splitlines()[1:] if line.strip()]
+    assert len(conv) == len(fields) == 200  # the fixture: the trace's first 200 requests
+    assert conv == [(int(c), int(g)) for _, c, g in fields]
+    assert conv[0] == (374, 44)  # the first request of the full trace (2023-11-16 18:15:46.68)
 
 
-def test_plan_cli(tmp_path):
+def test_plan_cli(tmp_path, shared_data):
     from quantkit.cli import _typer_app
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_13B))
@@ -159,6 +162,8 @@ def test_plan_cli(tmp_path):
     assert "KV cache per token: 819200 bytes (0.819 MB)" in res.output
     assert "weights w4 (group 128): 7.25 GB as stored (every parameter at bits/8 would be 6.51 GB)" in res.output
     data = json.loads(out.read_text())
-    assert data["workload"]["requests"] == 19366 and data["price_per_hour"] == 1.5
+    trace = shared_data / "azure-llm-trace-2023" / "AzureLLMInferenceTrace_conv.csv"  # $QUANTKIT_DATA_DIR's trace
+    requests = sum(1 for line in trace.read_text().splitlines()[1:] if line.strip())
+    assert data["workload"]["requests"] == requests and data["price_per_hour"] == 1.5
     res = CliRunner().invoke(_typer_app, ["plan", str(tmp_path), "--gpu", "l4"])
     assert "does not fit" in res.output  # 26 GB of fp16 weights on a 24 GB card
