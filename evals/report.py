@@ -35,6 +35,7 @@ class Report:
     settings: dict = field(default_factory=dict)
     seconds: float = 0.0
     gate: dict = field(default_factory=dict)  # {"thresholds": [...], "breaches": [...], "unchecked": [...]}
+    warnings: list[str] = field(default_factory=list)  # e.g. data and general-text deltas of opposite signs
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -81,6 +82,8 @@ def markdown(report: Report) -> str:
                   + ("**FAIL**" if gate["breaches"] else "pass")]
         lines += [f"- {b['message']}" for b in gate["breaches"]]
         lines += [f"- not measured: {t}" for t in gate.get("unchecked", [])]
+    if report.warnings:
+        lines += [""] + [f"- **{w}**" for w in report.warnings]
     lines += ["", f"Settings: {json.dumps(report.settings)}; {report.seconds:.0f} s.", ""]
     return "\n".join(lines)
 

@@ -4,6 +4,8 @@ serving), run every metric over the same tokens for both, and pair the results f
     spec -> load both -> for each built-in task / data file / lm-eval task:
               tokenize once -> baseline + candidate (text: one pass over both, KL from the same logits)
               -> MetricResults with paired-bootstrap intervals -> gate -> Report
+    with data files, the general held-out text too (GENERAL_TASK): a warning when its perplexity delta and a data
+    file's have opposite signs (one improves, the other degrades); the gate checks it only where a threshold names it
 """
 
 from __future__ import annotations
@@ -16,19 +18,21 @@ from typing import Optional
 
 import numpy as np
 
-from quantkit.data import read_rows, read_text, shared_data_dir, tokenize_row
+from quantkit.data import read_rows, read_text, tokenize_row
 from quantkit.errors import QuantkitError
 from quantkit.evals import bootstrap as bs
 from quantkit.evals.gate import Threshold, check
 from quantkit.evals.report import MetricResult, Report
+from quantkit.evals.standard_sets import SETS, locate
 
-CHOICE_TASKS = {
-    "arc_easy": ("arc-easy", "arc_easy_test.jsonl"),
-    "piqa": ("piqa", "piqa_validation.jsonl"),
-    "hellaswag": ("hellaswag", "hellaswag_val_3000.jsonl"),
-}
-TEXT_TASKS = {"wikitext": ("wikitext-2", "test.txt")}
+# the standard sets: a local mirror ($QUANTKIT_DATA_DIR) or the Hub, found by evals/standard_sets.locate
+CHOICE_TASKS = tuple(n for n, s in SETS.items() if s.kind == "choice")
+TEXT_TASKS = tuple(n for n, s in SETS.items() if s.kind == "text")
 DEFAULT_TASKS = ("wikitext", "arc_easy")
+# With --data: the delta on one general held-out text as well (Shakespeare's sonnets 1-37, public domain, shipped
+# in quantkit/fixtures), so a candidate fitted to the user's domain shows up as deltas of opposite signs
+GENERAL_TASK = "held-out:sonnets"
+GENERAL_TEXT = "sonnets.txt"
 
 
 @dataclass
@@ -43,6 +47,7 @@ class EvalSpec:
     max_new_tokens: int = 32
     thresholds: list[Threshold] = field(default_factory=list)
     seed: int = 0
+    general: bool = True  # with data files: also measure GENERAL_TASK and compare the signs of the deltas
 
 
 def resolve_baseline(spec: EvalSpec, cand_meta: Optional[dict]) -> str:
@@ -52,6 +57,26 @@ def resolve_baseline(spec: EvalSpec, cand_meta: Optional[dict]) -> str:
     if not base:
         raise QuantkitError(f"{spec.candidate}: quantkit.json records no base_model: pass --baseline MODEL")
     return base
+
+
+def general_text_file() -> Path:
+    import quantkit
+
+    return Path(quantkit.__file__).resolve().parent / "fixtures" / GENERAL_TEXT
+
+
+def sign_disagreements(data_metrics: list[MetricResult], general: list[MetricResult]) -> list[str]:
+    """One warning per perplexity of the user's data whose delta has the opposite sign of the general text's (one
+    improves, the other degrades): the candidate is better on one kind of text only."""
+    ref = next(m for m in general if m.metric == "ppl")
+    return [f"warning: {m.task} perplexity {_change(m)} but the general held-out text ({ref.task}) {_change(ref)}: "
+            f"the candidate's change is specific to one kind of text; do not read {m.task} alone as its quality"
+            for m in data_metrics if m.metric == "ppl" and m.delta.value * ref.delta.value < 0]
+
+
+def _change(m: MetricResult) -> str:
+    word = "improves" if m.delta.value < 0 else "degrades"
+    return f"{word} ({m.baseline:.4g} -> {m.candidate:.4g}, {m.delta_pct.value:+.2f}%)"
 
 
 def run(spec: EvalSpec, console=None, baseline_cache: Optional[dict] = None) -> Report:
@@ -69,7 +94,8 @@ def run(spec: EvalSpec, console=None, baseline_cache: Optional[dict] = None) -> 
     tasks = list(spec.tasks) if spec.tasks is not None else ([] if spec.data else list(DEFAULT_TASKS))
     report = Report(candidate=cand.source, baseline=base.source, settings=dict(
         seq_len=spec.seq_len, windows=spec.windows, limit=spec.limit, max_new_tokens=spec.max_new_tokens,
-        tasks=tasks, data=[str(p) for p in spec.data], bootstrap=bs.N_BOOT, seed=spec.seed))
+        tasks=tasks, data=[str(p) for p in spec.data], bootstrap=bs.N_BOOT, seed=spec.seed,
+        general=GENERAL_TASK if spec.data and spec.general else None))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         @contextmanager
@@ -81,18 +107,25 @@ def run(spec: EvalSpec, console=None, baseline_cache: Optional[dict] = None) -> 
         lm_eval_tasks = []
         for task in tasks:
             if task in TEXT_TASKS:
-                folder, name = TEXT_TASKS[task]
-                report.metrics += ev.text(task, read_text(shared_data_dir() / folder / name))
+                report.metrics += ev.text(task, read_text(locate(task)))
             elif task in CHOICE_TASKS:
-                folder, name = CHOICE_TASKS[task]
-                report.metrics += ev.choices(task, read_rows(shared_data_dir() / folder / name))
+                report.metrics += ev.choices(task, read_rows(locate(task)))
             else:
                 lm_eval_tasks.append(task)
+        data_metrics = []
         for path, rows in data_rows.items():
-            report.metrics += ev.data_file(path, rows)
+            data_metrics += ev.data_file(path, rows)
+        report.metrics += data_metrics
+        if data_rows and spec.general:
+            general = ev.text(GENERAL_TASK, read_text(general_text_file()))
+            report.metrics += general
+            report.warnings += sign_disagreements(data_metrics, general)
         if lm_eval_tasks:
             report.metrics += ev.lm_eval(lm_eval_tasks)
-    breaches, unchecked = check(spec.thresholds, report.metrics)
+    # the general text is gated only by a threshold that names it (held-out:sonnets/ppl=+20%)
+    named = {t.metric for t in spec.thresholds}
+    gated = [m for m in report.metrics if m.task != GENERAL_TASK or f"{m.task}/{m.metric}" in named]
+    breaches, unchecked = check(spec.thresholds, gated)
     report.gate = {"thresholds": [f"{t.metric}={t.text()}" for t in spec.thresholds],
                    "breaches": [{"name": b.name, "delta": b.delta, "message": b.message()} for b in breaches],
                    "unchecked": [f"{t.metric}={t.text()}" for t in unchecked]}

@@ -72,6 +72,7 @@ CALIB_KEYS: dict[str, type] = {
     "model": str, "method": str, "bits": int, "group_size": int, "sym": bool, "act_order": bool,
     "static_groups": bool, "format": str, "data": str, "num_samples": int, "seq_len": int, "data_mode": str,
     "seed": int, "damp": float, "group_aware": bool, "block_size": int, "batch_size": int, "compute_dtype": str,
+    "clip_search": bool,
 }
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -100,6 +101,9 @@ class CalibConfig:
     # diag(H) (group-aware reordering, Gafni et al. 2025, GPTQModel's default); groups stay k // g, so nothing
     # changes on disk (no g_idx) and qparams are still fit on the updated columns as each group starts
     group_aware: bool = True
+    # GPTQ: each group's scale (and zero) from the shrink p * [min, max], p in {1, 0.99, ..., 0.50}, with the least
+    # squared rounding error (quant/scheme.py clip_search) instead of plain min/max
+    clip_search: bool = False
     block_size: int = 128  # GPTQ lazy-batch columns
     batch_size: int = 8  # calibration samples per block forward
     # matmuls of the calibration forwards: "bfloat16" autocasts them (weights, residual stream and statistics stay
@@ -161,7 +165,7 @@ class CalibConfig:
         try:
             scheme = QuantScheme(**scheme_args)
             args = {k: flat[k] for k in ("data", "num_samples", "seq_len", "data_mode", "seed", "block_size",
-                                        "batch_size", "model", "compute_dtype", "group_aware")
+                                        "batch_size", "model", "compute_dtype", "group_aware", "clip_search")
                     if flat.get(k) is not None}
             if flat.get("damp") is not None:
                 args["damp"] = float(flat["damp"])
@@ -177,7 +181,7 @@ class CalibConfig:
                 "act_order": s.act_order, "static_groups": s.static_groups, "format": self.layout, "data": self.data,
                 "num_samples": self.num_samples, "seq_len": self.seq_len, "data_mode": self.data_mode,
                 "seed": self.seed, "damp": self.damp, "group_aware": self.group_aware, "block_size": self.block_size,
-                "batch_size": self.batch_size, "compute_dtype": self.compute_dtype}
+                "batch_size": self.batch_size, "compute_dtype": self.compute_dtype, "clip_search": self.clip_search}
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """Everything that changes the calibrated weights (the work folder is reused only when these match)."""
@@ -185,5 +189,5 @@ class CalibConfig:
             "method": self.method, "scheme": self.scheme.__dict__, "data_mode": self.data_mode,
             "num_samples": self.num_samples, "seq_len": self.seq_len, "seed": self.seed, "damp": self.damp,
             "group_aware": self.group_aware, "block_size": self.block_size, "batch_size": self.batch_size,
-            "compute_dtype": self.compute_dtype,
+            "compute_dtype": self.compute_dtype, "clip_search": self.clip_search,
         }

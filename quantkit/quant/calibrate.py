@@ -117,7 +117,7 @@ def make_method(cfg: CalibConfig, model_type: str):
     if cfg.method == "rtn":
         return RTN(cfg.scheme)
     if cfg.method == "gptq":
-        return GPTQ(cfg.scheme, cfg.damp, cfg.block_size, cfg.group_aware)
+        return GPTQ(cfg.scheme, cfg.damp, cfg.block_size, cfg.group_aware, cfg.clip_search)
     return AWQ(cfg.scheme, arch_spec(model_type))
 
 

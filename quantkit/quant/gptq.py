@@ -107,8 +107,10 @@ def group_aware_order(diag: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, damp: float = 0.01,
-                  block_size: int = 128, layer: str = "", group_aware: bool = False) -> tuple[QTensor, GPTQStats]:
-    """weight [N, K], h [K, K] (from `hessian`) -> (QTensor, GPTQStats). group_aware: GAR when not act-order."""
+                  block_size: int = 128, layer: str = "", group_aware: bool = False,
+                  clip: bool = False) -> tuple[QTensor, GPTQStats]:
+    """weight [N, K], h [K, K] (from `hessian`) -> (QTensor, GPTQStats). group_aware: GAR when not act-order.
+    clip: every group's qparams by the squared-error clip search of fit_qparams instead of plain min/max."""
     n, k = weight.shape
     g = scheme.group_of(k)
     scheme.groups(k, layer)  # validates that g divides K
@@ -122,7 +124,7 @@ def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, da
 
     up_front = scheme.static_groups or g == k  # qparams fit once on the original column order
     if up_front:
-        scales, zeros = fit_qparams(w, scheme, layer=layer)  # [N, G]
+        scales, zeros = fit_qparams(w, scheme, layer=layer, clip=clip)  # [N, G]
     else:
         scales = torch.empty(n, k // g, dtype=torch.float16, device=w.device)
         zeros = torch.empty(n, k // g, dtype=torch.uint8, device=w.device)
@@ -147,7 +149,7 @@ def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, da
     # blocks hold whole groups, so every group's qparams are fit on fully updated columns
     bs = block_size if up_front else max(g, block_size // g * g)
     with one_cpu_thread(w.device):
-        codes = _sweep(w, u, scales, zeros, group_of_step.tolist(), g, bs, up_front, scheme, layer)
+        codes = _sweep(w, u, scales, zeros, group_of_step.tolist(), g, bs, up_front, scheme, layer, clip)
 
     g_idx = None
     if perm is not None:
@@ -158,7 +160,7 @@ def gptq_quantize(weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, da
     return qt, GPTQStats(damp_used, output_error(weight, dequantize(qt), h_orig), False, int(dead.sum()))
 
 
-def _sweep(w, u, scales, zeros, group_list, g, bs, up_front, scheme, layer) -> torch.Tensor:
+def _sweep(w, u, scales, zeros, group_list, g, bs, up_front, scheme, layer, clip=False) -> torch.Tensor:
     """The column sweep of Algorithm 1 on w [N, K] (processing order) with U [K, K]; fills scales/zeros [N, G]
     as groups are reached (unless fit up front) and returns codes uint8 [N, K] in processing order."""
     n, k = w.shape
@@ -174,7 +176,8 @@ def _sweep(w, u, scales, zeros, group_list, g, bs, up_front, scheme, layer) -> t
         for i in range(i2 - i1):
             step, grp = i1 + i, group_list[i1 + i]
             if not up_front and step % g == 0:
-                scales[:, grp:grp + 1], zeros[:, grp:grp + 1] = fit_qparams(w1[i:i + g].T, column, layer=layer)
+                scales[:, grp:grp + 1], zeros[:, grp:grp + 1] = fit_qparams(w1[i:i + g].T, column, layer=layer,
+                                                                            clip=clip)
             if i == 0 or grp != group_list[step - 1]:
                 s, z = scales[:, grp:grp + 1], zeros[:, grp:grp + 1]  # [N, 1]
                 s32, z32 = s[:, 0].float(), z[:, 0].float()
@@ -221,8 +224,10 @@ class GPTQ:
     needs = ("hessian",)
     true_sequential = True
 
-    def __init__(self, scheme: QuantScheme, damp: float = 0.01, block_size: int = 128, group_aware: bool = True):
+    def __init__(self, scheme: QuantScheme, damp: float = 0.01, block_size: int = 128, group_aware: bool = True,
+                 clip: bool = False):
         self.scheme, self.damp, self.block_size, self.group_aware = scheme, damp, block_size, group_aware
+        self.clip = clip
 
     def quantize_stage(self, block, names, stats, prefix) -> Iterator[tuple[str, QTensor, dict]]:
         hessians: dict[int, torch.Tensor] = {}  # id(stats) -> H: q, k and v share one input
@@ -235,5 +240,5 @@ class GPTQ:
                 hessians[id(st)] = st.hessian()
             weight = block.get_submodule(name).weight
             qt, s = gptq_quantize(weight, hessians[id(st)], self.scheme, self.damp, self.block_size, prefix + name,
-                                  self.group_aware)
+                                  self.group_aware, self.clip)
             yield name, qt, dataclasses.asdict(s)

@@ -17,7 +17,9 @@ Every on-disk layout (quantkit/formats/) stores exactly these integers; every ke
               zero = clamp(round(-min / scale), 0, maxq)
   symmetric   zero = 2^(b-1) (8 at 4 bit, 128 at 8 bit); scale = absmax / (maxq / 2)   (absmax / 7.5 at 4 bit)
   both        q = clamp(round(w / scale) + zero, 0, maxq)
-The scale is rounded to float16 *before* the codes are computed, so the codes are optimal for the scale that is
+Optionally (`fit_qparams(clip=True)`, GPTQ's `clip_search`) each group's range is first shrunk to the p * [min, max]
+with the least squared rounding error; codes and zeros still mean the same. The scale is rounded to float16 *before*
+the codes are computed, so the codes are optimal for the scale that is
 stored on disk and memory and disk agree exactly. Empty (all-zero) groups get the floor scale SCALE_FLOOR, never 0
 or NaN.
 
@@ -134,11 +136,13 @@ def contiguous_groups(qt: QTensor) -> Optional[tuple[Optional[torch.Tensor], int
     return perm, g, qt.codes[:, perm]
 
 
-def fit_qparams(w: torch.Tensor, scheme: QuantScheme, g_idx: Optional[torch.Tensor] = None, layer: str = ""
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_qparams(w: torch.Tensor, scheme: QuantScheme, g_idx: Optional[torch.Tensor] = None, layer: str = "",
+                clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (scales float16 [N, G], zeros uint8 [N, G]) by min/max per group (module docstring).
 
     g_idx [K] (optional) assigns columns to groups (act-order); otherwise groups are contiguous runs of g.
+    clip: search each group's range shrink p in CLIP_SHRINKS (1 and 0.99 down to 0.50; min and max both times p)
+    for the least squared rounding error sum (w - W')^2 over the group (`clip_search`), instead of plain min/max.
     Raises QuantkitError naming `layer` when the group size does not divide K.
     """
     n, k = w.shape
@@ -152,6 +156,19 @@ def fit_qparams(w: torch.Tensor, scheme: QuantScheme, g_idx: Optional[torch.Tens
         wmax = torch.zeros(n, groups, device=w.device).scatter_reduce(1, index, w, "amax", include_self=False)
     if not (torch.isfinite(wmin).all() and torch.isfinite(wmax).all()):  # min/max propagate NaN and inf
         raise QuantkitError(f"layer {layer or '?'}: weight has NaN/inf values; fix the model before quantizing")
+    scales, zeros = _range_qparams(wmin, wmax, scheme)
+    if clip:
+        scales, zeros = clip_search(w, wmin, wmax, scales, zeros, scheme, g_idx)
+    return scales, zeros
+
+
+# Range shrinks the clip search tries after 1 (GPTQ's reference quantizer and GPTQModel/llm-compressor's MSE observers
+# search the same kind of grid, 1 - i/100)
+CLIP_SHRINKS = tuple(1 - i / 100 for i in range(1, 51))
+
+
+def _range_qparams(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group min/max [N, G] fp32 -> (scales float16, zeros uint8) [N, G] by the conventions above."""
     maxq = scheme.maxq
     if scheme.sym:
         absmax = torch.maximum(wmin.abs(), wmax.abs())
@@ -162,6 +179,33 @@ def fit_qparams(w: torch.Tensor, scheme: QuantScheme, g_idx: Optional[torch.Tens
         scales = _round_scale((wmax - wmin) / maxq)
         zeros = torch.round(-wmin / scales.float()).clamp(0, maxq)
     return scales, zeros.to(torch.uint8)
+
+
+def group_sq_error(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, scheme: QuantScheme,
+                   g_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """w [N, K] fp32 with qparams [N, G] -> sum over each group's columns of (w - W')^2, fp32 [N, G]."""
+    n, k = w.shape
+    q = quantize(w, scales, zeros, scheme.bits, scheme.group_size, g_idx)
+    grp = group_index(k, scheme.group_size, g_idx, w.device)
+    err = (w - scales.float()[:, grp] * (q.float() - zeros.float()[:, grp])).square_()  # [N, K]
+    if g_idx is None and k % scales.shape[1] == 0:
+        return err.view(n, scales.shape[1], -1).sum(2)
+    return torch.zeros_like(scales, dtype=torch.float32).scatter_add_(1, grp.expand(n, k), err)
+
+
+def clip_search(w: torch.Tensor, wmin: torch.Tensor, wmax: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                scheme: QuantScheme, g_idx: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group, the qparams of the range p * [min, max], p in (1, *CLIP_SHRINKS), with the least squared rounding
+    error (group_sq_error; the first p wins a tie, so a group no shrink improves keeps its min/max qparams)."""
+    best = group_sq_error(w, scales, zeros, scheme, g_idx)  # [N, G]
+    scales, zeros = scales.clone(), zeros.clone()
+    for p in CLIP_SHRINKS:
+        s, z = _range_qparams(wmin * p, wmax * p, scheme)
+        err = group_sq_error(w, s, z, scheme, g_idx)
+        better = err < best
+        best = torch.where(better, err, best)
+        scales, zeros = torch.where(better, s, scales), torch.where(better, z, zeros)
+    return scales, zeros
 
 
 def _round_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -196,9 +240,10 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return w.to(dtype)
 
 
-def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, layer: str = "") -> QTensor:
-    """Round-to-nearest: w [N, K] -> QTensor with min/max qparams per contiguous group (no act-order)."""
-    scales, zeros = fit_qparams(w, scheme, layer=layer)
+def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, layer: str = "", clip: bool = False) -> QTensor:
+    """Round-to-nearest: w [N, K] -> QTensor with min/max (clip: searched, fit_qparams) qparams per contiguous group
+    (no act-order)."""
+    scales, zeros = fit_qparams(w, scheme, layer=layer, clip=clip)
     codes = quantize(w, scales, zeros, scheme.bits, scheme.group_size)
     return QTensor(codes, zeros, scales, None, scheme.bits, scheme.group_size, scheme.sym)
 

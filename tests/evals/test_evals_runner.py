@@ -55,10 +55,10 @@ def test_a_model_against_itself_has_zero_deltas_with_zero_width_intervals(folder
     assert by["arc_easy", "acc"].n == 4
 
 
-def test_quantized_candidate_is_compared_with_the_base_model_it_records(folders):
+def test_quantized_candidate_is_compared_with_the_base_model_it_records(folders, shared_data):
     """RTN W4 g32 through `quantkit calibrate`; the baseline comes from quantkit.json; perplexity numbers equal a
     direct computation on each model as the loader builds it (QLinear for the candidate)."""
-    from quantkit.data import read_text, shared_data_dir
+    from quantkit.data import read_text
     from quantkit.evals.perplexity import perplexity, text_windows
     from quantkit.models.loader import load_model
 
@@ -70,17 +70,17 @@ def test_quantized_candidate_is_compared_with_the_base_model_it_records(folders)
     by = {m.metric: m for m in report.metrics}
     base, cand = load_model(str(folders["base"])), load_model(str(out))
     assert type(cand.model.model.layers[0].mlp.up_proj).__name__ == "QLinear"
-    windows = text_windows(base.tokenizer, read_text(shared_data_dir() / "wikitext-2" / "test.txt"), 64, 3)
+    windows = text_windows(base.tokenizer, read_text(shared_data / "wikitext-2" / "test.txt"), 64, 3)
     assert by["ppl"].baseline == pytest.approx(perplexity(base.model, windows).ppl, rel=1e-5)
     assert by["ppl"].candidate == pytest.approx(perplexity(cand.model, windows).ppl, rel=1e-5)
     assert by["kl_mean"].candidate > 0 and by["top1_agree"].candidate < 100
     assert by["ppl"].delta.low <= by["ppl"].delta.value <= by["ppl"].delta.high
 
 
-def test_lm_eval_bridge_equals_the_native_evaluation(folders):
+def test_lm_eval_bridge_equals_the_native_evaluation(folders, shared_data):
     from lm_eval.api.instance import Instance
 
-    from quantkit.data import read_rows, shared_data_dir
+    from quantkit.data import read_rows
     from quantkit.evals.lm_eval_bridge import QuantkitLM, run_tasks, user_task
     from quantkit.evals.multiple_choice import choice_groups, score_choices
     from quantkit.models.loader import load_model
@@ -88,7 +88,7 @@ def test_lm_eval_bridge_equals_the_native_evaluation(folders):
     loaded = load_model(str(folders["base"]))
     lm = QuantkitLM(loaded=loaded)
     got = run_tasks(lm, ["qk_piqa", *user_task(folders["data"])], limit=6)
-    rows = read_rows(shared_data_dir() / "piqa" / "piqa_validation.jsonl")[:6]
+    rows = read_rows(shared_data / "piqa" / "piqa_validation.jsonl")[:6]
     native = score_choices(loaded.model, choice_groups(rows, loaded.tokenizer), rows)
     assert got["qk_piqa"].doc_ids == list(range(6))
     assert got["qk_piqa"].values["acc"] == native.acc.tolist()
@@ -161,8 +161,9 @@ def test_cli_gate_on_a_metric_nothing_measured_exits_2(folders, tmp_path):
                           "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --max-delta acc=-1: no task measured that metric (measured: notes/kl_mean, ")
-    assert "notes/ppl" in last and (out / "report.json").is_file()
+    assert last.startswith("error: --max-delta acc=-1: no task measured that metric (measured: ")
+    assert "notes/kl_mean, " in last and "notes/ppl" in last and (out / "report.json").is_file()
+    assert "held-out:sonnets/ppl" in last  # with --data the general held-out text is measured too
 
 
 def test_cli_bad_rows_name_file_and_line(folders, tmp_path):
@@ -186,3 +187,64 @@ def test_recipe_thresholds_apply(tmp_path):
     recipe.write_text('method: rtn\nbits: 4\ngroup_size: 64\nmax_delta: {acc: -1.0, ppl: "+3%", kl: 0.05}\n')
     got = [(t.metric, t.limit, t.relative) for t in recipe_thresholds(recipe)]
     assert got == [("acc", -1.0, False), ("ppl", 3.0, True), ("kl_mean", 0.05, False)]
+
+
+def steered(folder, boost_tokens=()):
+    """A tiny model whose logits are 0 everywhere (uniform: perplexity = vocabulary size on any text), or, with
+    boost_tokens, about +40 for those tokens only: better than uniform on a text made of them, far worse on any
+    text mostly made of others. (Embedding column 0 = 50 makes the final norm's channel 0 about +8 at every
+    position; the final norm keeps only that channel and lm_head reads only it.)"""
+    model = tiny_model(seed=0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 50.0
+        model.model.norm.weight.zero_()
+        model.lm_head.weight.zero_()
+        if boost_tokens:
+            model.model.norm.weight[0] = 1.0
+            model.lm_head.weight[list(boost_tokens), 0] = 5.0
+    return save_tiny(model, folder)
+
+
+def test_with_data_the_general_text_is_measured_and_opposite_deltas_warn(tmp_path):
+    from quantkit.evals.runner import GENERAL_TASK, general_text_file
+    from quantkit.models.loader import load_tokenizer
+
+    text = "A first paragraph of plain text about rivers and the sea. " * 12
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({"text": text}) + "\n")
+    tokens = set(load_tokenizer(None)(text, add_special_tokens=False)["input_ids"])
+    base, cand = steered(tmp_path / "uniform"), steered(tmp_path / "fitted", tokens)
+    spec = dict(data=[mine], windows=4, seq_len=32)
+
+    report = run(EvalSpec(candidate=str(cand), baseline=str(base), **spec))
+    ppl = {m.task: m for m in report.metrics if m.metric == "ppl"}
+    assert set(ppl) == {"mine", GENERAL_TASK}
+    assert ppl["mine"].baseline == pytest.approx(49152, rel=1e-4)  # uniform over the vocabulary
+    assert ppl[GENERAL_TASK].baseline == pytest.approx(49152, rel=1e-4)
+    assert ppl["mine"].delta.value < 0 < ppl[GENERAL_TASK].delta.value
+    assert ppl[GENERAL_TASK].n == 4 and general_text_file().is_file()
+    assert len(report.warnings) == 1
+    assert report.warnings[0].startswith("warning: mine perplexity improves (4.915e+04 -> ")
+    assert f"but the general held-out text ({GENERAL_TASK}) degrades (4.915e+04 -> " in report.warnings[0]
+    assert report.settings["general"] == GENERAL_TASK
+
+    # the CLI prints the warning; a --max-delta that does not name the general text does not gate it
+    out = tmp_path / "report"
+    res = invoke("eval", cand, "--baseline", base, "--data", mine, "--windows", "4", "--seq-len", "32",
+                 "--max-delta", "ppl=+0%", "--out", out)
+    assert res.exit_code == 0, res.output
+    assert report.warnings[0].split(" -> ")[0] in res.stderr
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["warnings"] == report.warnings and saved["gate"]["breaches"] == []
+    assert "**warning: mine perplexity improves" in (out / "report.md").read_text()
+    res = invoke("eval", cand, "--baseline", base, "--data", mine, "--windows", "4", "--seq-len", "32",
+                 "--max-delta", f"{GENERAL_TASK}/ppl=+0%", "--out", out)
+    assert res.exit_code == 1 and f"gate breached: {GENERAL_TASK}/ppl" in res.stderr
+
+    # same sign (here both 0: the model against itself) -> no warning; --no-general / no --data -> not measured
+    same = run(EvalSpec(candidate=str(base), baseline=str(base), **spec))
+    assert GENERAL_TASK in {m.task for m in same.metrics} and same.warnings == []
+    off = run(EvalSpec(candidate=str(cand), baseline=str(base), general=False, **spec))
+    assert {m.task for m in off.metrics} == {"mine"} and off.warnings == []
+    tasks_only = run(EvalSpec(candidate=str(cand), baseline=str(base), tasks=["wikitext"], windows=2, seq_len=32))
+    assert {m.task for m in tasks_only.metrics} == {"wikitext"} and tasks_only.warnings == []

@@ -122,3 +122,73 @@ def test_group_aware_reordering_keeps_plain_groups_and_beats_rtn():
     assert gar.g_idx is None and gar.scales.shape == plain.scales.shape
     assert gar_stats.loss < output_error(w, dequantize(quantize_rtn(w, scheme)), h)
     assert gar_stats.loss <= plain_stats.loss * 1.01
+
+
+def brute_force_clip(w: torch.Tensor, scheme: QuantScheme, shrinks) -> torch.Tensor:
+    """The least squared rounding error per group [N, G] over every range shrink p, in float64, written out from the
+    format's conventions (quant/scheme.py docstring) without its functions: the reference for the clip search."""
+    n, k = w.shape
+    g = scheme.group_of(k)
+    wg = w.double().reshape(n, k // g, g)
+    best = torch.full((n, k // g), float("inf"), dtype=torch.float64)
+    for p in shrinks:
+        lo, hi = p * wg.amin(2, keepdim=True), p * wg.amax(2, keepdim=True)
+        if scheme.sym:
+            scale = (torch.maximum(lo.abs(), hi.abs()) / (scheme.maxq / 2)).half().double()
+            zero = torch.full_like(scale, 2 ** (scheme.bits - 1))
+        else:
+            lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+            scale = ((hi - lo) / scheme.maxq).half().double()
+            zero = torch.round(-lo / scale).clamp(0, scheme.maxq)
+        q = (torch.round(wg / scale) + zero).clamp(0, scheme.maxq)
+        best = torch.minimum(best, (wg - scale * (q - zero)).square().sum(2))
+    return best
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 32, True), QuantScheme(4, 32, False), QuantScheme(8, 64, True),
+                                    QuantScheme(4, -1, True)], ids=lambda s: s.name())
+def test_clip_search_minimises_each_groups_squared_error_over_the_grid(scheme):
+    from quantkit.quant.scheme import CLIP_SHRINKS, fit_qparams, group_sq_error
+
+    torch.manual_seed(2)
+    w = torch.randn(24, 128) * torch.rand(24, 1).add(0.1)
+    w[3, 5], w[7, 40], w[11, 100] = 6.0, -9.0, 4.0  # outliers: where clipping pays most
+    scales, zeros = fit_qparams(w, scheme, clip=True)
+    got = group_sq_error(w, scales, zeros, scheme).double()
+    reference = brute_force_clip(w, scheme, (1.0, *CLIP_SHRINKS))
+    torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-7)
+    minmax = group_sq_error(w, *fit_qparams(w, scheme), scheme)
+    assert (got <= minmax.double() + 1e-7).all()
+    assert got.sum() < (0.97 if scheme.bits == 4 else 1.0) * minmax.sum()  # 8 bits: little left to gain
+    assert CLIP_SHRINKS[0] == 0.99 and min(CLIP_SHRINKS) == 0.5
+
+
+def test_clip_search_with_g_idx_equals_the_contiguous_search_on_permuted_columns():
+    from quantkit.quant.scheme import fit_qparams
+
+    torch.manual_seed(4)
+    w, scheme = torch.randn(8, 64), QuantScheme(4, 16, True, act_order=True)
+    perm = torch.randperm(64)
+    g_idx = torch.empty(64, dtype=torch.int32)
+    g_idx[perm] = torch.arange(64, dtype=torch.int32) // 16  # column perm[j] is in group j // 16
+    got = fit_qparams(w, scheme, g_idx, clip=True)
+    want = fit_qparams(w[:, perm], QuantScheme(4, 16, True), clip=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_gptq_with_clip_search_fits_clipped_qparams_and_lowers_the_error():
+    from quantkit.quant.scheme import fit_qparams
+
+    torch.manual_seed(5)
+    w = torch.randn(48, 192)
+    w[torch.rand(48, 192) < 0.01] *= 6  # a few outliers per row
+    h = hessian(correlated_inputs(1024, 192))
+    scheme = QuantScheme(4, 32, True, act_order=True, static_groups=True)  # qparams fit up front on W
+    plain, plain_stats = gptq_quantize(w, h, scheme)
+    clipped, clip_stats = gptq_quantize(w, h, scheme, clip=True)
+    assert torch.equal(clipped.scales, fit_qparams(w, scheme, clip=True)[0])
+    assert torch.equal(plain.scales, fit_qparams(w, scheme)[0])
+    assert clip_stats.loss < plain_stats.loss
+    gar, gar_stats = gptq_quantize(w, h, QuantScheme(4, 32, True), group_aware=True, clip=True)
+    assert gar_stats.loss < gptq_quantize(w, h, QuantScheme(4, 32, True), group_aware=True)[1].loss
+    assert gar.g_idx is None and int(gar.codes.max()) <= 15
