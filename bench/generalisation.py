@@ -2,7 +2,7 @@
 
     nice -n 10 python bench/generalisation.py [--configs gptq,gptq-damp0.1,...] [--windows 20] [--seq-len 512]
                                               [--work /tmp/quantkit-generalisation] [--json generalisation.json]
-                                              [--fresh NAME,...] [--list]
+                                              [--tag T] [--fresh NAME,...] [--remeasure] [--list]
 
 Every configuration calibrates the bundled model (W4 g64 symmetric unless it says otherwise; 128 x 512 tokens of
 wikitext-2 valid, the CLI defaults, unless it says otherwise) in this process through
@@ -16,8 +16,10 @@ in fp32, mean NLL over its 511 predictions, exp; evals/perplexity.py) on:
   chat       ShareGPT first-turn user prompts      (chat: instructions, code, other languages)
 
 None of the held-out sets is in any calibration set. FP32 and RTN run as references in the same run. The quantized
-weights of each configuration are cached under --work (keyed by the configuration's flat keys and --tag), so a rerun
-only measures; `--fresh` recalibrates (or change --tag after a change to the quantization code). Each row records the load average at calibration and at measurement
+weights of each configuration, and each measurement (perplexity is deterministic: the same weights and windows give
+the same bits), are cached under --work (keyed by the configuration's flat keys and --tag), so a rerun only does what
+is new; `--fresh` recalibrates and remeasures, `--remeasure` remeasures (change --tag after a change to the
+quantization code). Each row records the load average at calibration and at measurement
 (os.getloadavg) and the calibration's wall and CPU seconds. "mean loss" = the mean over the four domains of
 ln(ppl / ppl_FP32) (nats per token lost to quantization); "worst" = the largest relative increase.
 """
@@ -215,6 +217,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path("/tmp/quantkit-generalisation/generalisation.json"))
     ap.add_argument("--tag", default="1", help="part of the cache key: change it when the quantization code changes")
     ap.add_argument("--fresh", default="", help="comma list of configs to recalibrate even when cached")
+    ap.add_argument("--remeasure", action="store_true", help="measure perplexity again even where it is cached")
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")
     args = ap.parse_args()
     if args.list:
@@ -240,19 +243,28 @@ def main() -> None:
     fp32 = None
     for name in names:
         t0 = time.perf_counter()
-        if CONFIGS[name] is None:
-            info, model = None, pristine
+        key = "fp32" if CONFIGS[name] is None else cache_key(calib_config(name, args.work, loaded.tokenizer), version)
+        measured = args.work / "ppl" / f"{key}-{args.windows}x{args.seq_len}.json"
+        if measured.is_file() and name not in fresh and not args.remeasure:  # deterministic: same weights, same ppl
+            cached = json.loads(measured.read_text())
+            info, ppl, load = cached["info"], cached["ppl"], cached["load_at_ppl"]
         else:
-            saved, info = quantize(name, pristine, loaded, args.work, name in fresh, version)
-            model = with_weights(pristine, saved)
-        load = os.getloadavg()
-        ppl = measure(model, windows)
+            if CONFIGS[name] is None:
+                info, model = None, pristine
+            else:
+                saved, info = quantize(name, pristine, loaded, args.work, name in fresh, version)
+                model = with_weights(pristine, saved)
+            load = [round(x, 2) for x in os.getloadavg()]
+            ppl = measure(model, windows)
+            measured.parent.mkdir(parents=True, exist_ok=True)
+            measured.write_text(json.dumps({"info": info, "ppl": ppl, "load_at_ppl": load,
+                                            "measured": time.strftime("%Y-%m-%d %H:%M:%S")}))
         fp32 = fp32 or ppl
         nll = {d: float(torch.log(torch.tensor(ppl[d] / fp32[d]))) for d in DOMAINS}
         rows.append({"config": name, "flat": None if info is None else info["flat"], "ppl": ppl, "info": info,
                      "mean_loss": sum(nll.values()) / len(nll),
                      "worst_pct": max(100 * (ppl[d] / fp32[d] - 1) for d in DOMAINS),
-                     "load_at_ppl": [round(x, 2) for x in load], "seconds": round(time.perf_counter() - t0, 1)})
+                     "load_at_ppl": load, "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{name}: " + ", ".join(f"{d} {ppl[d]:.2f}" for d in DOMAINS) + f" ({rows[-1]['seconds']} s, load "
               f"{load[0]:.2f}{'' if info is None or not info['cached'] else ', cached'})", file=sys.stderr, flush=True)
     out = table(rows, fp32)
