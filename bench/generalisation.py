@@ -53,6 +53,7 @@ CONFIGS: dict[str, dict | None] = {
     "fp32": None,
     "rtn": {"method": "rtn"},
     "rtn-asym": {"method": "rtn", "sym": False, "format": "gptq_v2"},
+    "rtn-clip": {"method": "rtn", "clip_search": True},  # bench only: RTN with the clip search of GPTQ's quantizer
     "awq": {"method": "awq"},  # asymmetric (the CLI default for AWQ)
     "gptq": {"method": "gptq"},  # the CLI default before issue 23: GAR, damp 0.01, compute auto (bf16 on AMX)
     "gptq-damp0.05": {"method": "gptq", "damp": 0.05},
@@ -73,6 +74,13 @@ CONFIGS: dict[str, dict | None] = {
     "gptq-clip": {"method": "gptq", "clip_search": True},
     "gptq-clip-damp0.1": {"method": "gptq", "clip_search": True, "damp": 0.1},
     "gptq-act-static-clip": {"method": "gptq", "act_order": True, "static_groups": True, "clip_search": True},
+    "gptq-act-static-clip-damp0.05": {"method": "gptq", "act_order": True, "static_groups": True, "clip_search": True,
+                                      "damp": 0.05},
+    "gptq-act-static-clip-fp32": {"method": "gptq", "act_order": True, "static_groups": True, "clip_search": True,
+                                  "compute_dtype": "float32"},
+    "gptq-act-static-clip-asym": {"method": "gptq", "act_order": True, "static_groups": True, "clip_search": True,
+                                  "sym": False, "format": "gptq_v2"},
+    "gptq-act-clip": {"method": "gptq", "act_order": True, "clip_search": True},
     "awq-mix": {"method": "awq", "data": MIX},
 }
 DOMAINS = ("wikitext", "sonnet", "gsm8k", "chat")
@@ -138,6 +146,7 @@ def quantize(name: str, pristine, loaded, work: Path, fresh: bool, version: str)
     norms)}}, calibration info), from the cache under `work` when present."""
     from quantkit.quant.calibrate import calibrate
     from quantkit.quant.qlinear import QLinear
+    from quantkit.quant.scheme import quantize_rtn
 
     cfg = calib_config(name, work, loaded.tokenizer)
     path = work / "ckpt" / f"{cache_key(cfg, version)}.pt"
@@ -150,11 +159,15 @@ def quantize(name: str, pristine, loaded, work: Path, fresh: bool, version: str)
         calib = calibration_batches(cfg.data, loaded.tokenizer, cfg.num_samples, cfg.seq_len, cfg.data_mode, cfg.seed)
     load_before = os.getloadavg()
     wall, cpu = time.perf_counter(), time.process_time()
-    report = calibrate(model, loaded.hf_config, calib, cfg, work_dir=None, progress=False,
-                       log=lambda s: print(f"  {s}", file=sys.stderr))
+    if cfg.method == "rtn" and cfg.clip_search:  # a reference, not a CLI method: RTN with GPTQ's clip search
+        report, qts = [], {n: quantize_rtn(m.weight.detach().float(), cfg.scheme, n, clip=True)
+                           for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    else:
+        report = calibrate(model, loaded.hf_config, calib, cfg, work_dir=None, progress=False,
+                           log=lambda s: print(f"  {s}", file=sys.stderr))
+        qts = {n: m.qtensor() for n, m in model.named_modules() if isinstance(m, QLinear)}
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     losses = [e["loss"] for e in report if e.get("loss") is not None]
-    qts = {n: m.qtensor() for n, m in model.named_modules() if isinstance(m, QLinear)}
     before = pristine.state_dict()
     floats = {n: t.clone() for n, t in model.state_dict().items()  # AWQ folds its scales into the norms
               if n in before and t.is_floating_point() and not torch.equal(t, before[n])}
