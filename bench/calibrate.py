@@ -3,11 +3,13 @@
     python bench/calibrate.py [--runs gptq-w4g64,awq-w4g64,...] [--num-samples 128] [--seq-len 512]
                               [--windows 40] [--flags "--compute-dtype bfloat16"] [--json calibrate.json] [--keep DIR]
 
-Each run is `quantkit calibrate` in a child process (128 x 512 tokens of ../shared/data/wikitext-2/valid.txt by
-default); its wall time and peak RSS come from os.wait4 on that child (this parent never imports torch, so a
-forked child starts small). Each perplexity is another child. Perplexity follows PEERS.md: the test text
-read whole, tokenized once without BOS, non-overlapping 512-token windows, the first 40, fp32, mean NLL over the
-511 predictions of each window, exp. Prints a markdown table and writes the JSON.
+Each run is `quantkit calibrate` in a child process on 128 x 512 tokens of --data, which this bench sets to
+../shared/data/wikitext-2/valid.txt unless told otherwise (the BENCHMARKS.md figures were measured so; `quantkit
+calibrate`'s own default is the general set shipped in quantkit/calibration_data). Its wall time and peak RSS come
+from os.wait4 on that child (this parent never imports torch, so a forked child starts small). Each perplexity is
+another child. Perplexity follows PEERS.md: the test text read whole, tokenized once without BOS, non-overlapping
+512-token windows, the first 40, fp32, mean NLL over the 511 predictions of each window, exp. Prints a markdown
+table and writes the JSON.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def calib_config(name: str, work: Path, tokenizer) -> CalibConfig:
 
 
 # keys added to CalibConfig after checkpoints were cached: left out of the cache key while they hold these values
-LATER_KEYS = {"clip_search": False}
+LATER_KEYS = {"clip_search": False, "moe_min_tokens": None}
 
 
 def cache_key(cfg: CalibConfig, tag: str) -> str:

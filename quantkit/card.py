@@ -64,6 +64,7 @@ def render_card(folder: str | Path, repo_id: str | None = None) -> str:
         facts.summary(),
         _eval_section(folder, report, where, facts),
         _quantization_section(facts),
+        _mixed_precision_section(facts.meta.get("mixed_precision")),
         _loading_section(facts),
         _usage_section(where, facts),
         _reproduce_section(facts, report, where),
@@ -113,14 +114,19 @@ class Facts:
         return meta
 
     def title(self) -> str:
-        return f"{self.model_name} {self.method.upper()} {self.scheme_name}"
+        mixed = self.meta.get("mixed_precision")
+        scheme = f"mixed {mixed['planned_bpw']:.2f} bpw" if mixed else self.scheme_name
+        return f"{self.model_name} {self.method.upper()} {scheme}"
 
     def summary(self) -> str:
         base = f"[{self.base_id}](https://huggingface.co/{self.base_id})" if self.base_id else f"`{self.base_source or 'the base model'}`"
         sym = "symmetric" if self.sym else "asymmetric"
         group = "per-channel" if self.group_size == -1 else f"group size {self.group_size}"
+        precision = f"{self.bits}-bit"
+        if self.meta.get("mixed_precision"):
+            precision, group = "Mixed-precision", "each Linear's bits and group size in the table below"
         text = (
-            f"{self.bits}-bit weight-only {self.method.upper()} quantization of {base} ({sym}, {group}"
+            f"{precision} weight-only {self.method.upper()} quantization of {base} ({sym}, {group}"
             f"{', act-order' if self.act_order else ''}), stored in the **{_LAYOUT_NAMES.get(self.layout, self.layout)}** "
             "layout. Made with quantkit; activations, embeddings, norms and the LM head stay in 16-bit."
         )
@@ -328,7 +334,7 @@ def _quantization_section(facts: Facts) -> str:
         ("base model", f"`{facts.base_source}`" if facts.base_source else facts.base_id or "unknown"),
     ]
     if data:
-        source = data.get("path") or recipe.get("data") or "the default (wikitext-2 valid.txt of the shared data)"
+        source = data.get("path") or recipe.get("data") or "the default (the general set shipped in quantkit/calibration_data)"
         rows += [
             ("calibration data", f"`{source}`"),
             ("data fingerprint (sha256 of tokens + mask)", f"`{data.get('fingerprint', 'unknown')}`"),
@@ -359,6 +365,60 @@ def _layer_summary(layers: list[dict]) -> list[str]:
         + ", ".join(f"`{e['name']}` {e['loss']:.4g}" for e in worst)
         + f". RTN fallbacks: {', '.join(fallbacks) if fallbacks else 'none'}.",
     ]
+
+
+def _mixed_precision_section(mixed: dict | None) -> str:
+    """quantkit.json "mixed_precision" (quant/mixed_precision.py): how the mix was chosen, the gate search, and each
+    Linear's scheme, one row per block."""
+    if not mixed:
+        return ""
+    sens = mixed["sensitivity"]
+    goal = (f"the least estimated KL within {mixed['target_bpw']:g} bits per weight (`--target-bpw`)"
+            if "target_bpw" in mixed else "the smallest mix passing the gate below (`--max-delta`)")
+    lines = [
+        "## Mixed precision",
+        "",
+        f"Each Linear's scheme was chosen for {goal}: {mixed['planned_bpw']:.4f} bits per weight over the quantized "
+        "Linears (scales, zeros and g_idx counted; float Linears at the checkpoint's dtype), "
+        + ", ".join(f"{k} x{v}" for k, v in mixed["counts"].items())
+        + f". Estimated KL to the float model {mixed['estimated_kl']:.4g} nats per token (the sum of each Linear's "
+        f"alone). Sensitivity: every Linear's KL when quantized alone, measured on {sens['tokens']['kl']} held-out "
+        f"tokens of `{sens['source'].get('kl', '?')}` at its coarsest scheme and scaled to the others by its "
+        f"Hessian-weighted output error ({sens['tokens']['hessian']} calibration tokens); proxy vs measured KL "
+        f"Spearman rho {sens['rank_correlation']:.3f}.",
+    ]
+    search = mixed.get("search")
+    if search:
+        lines += ["", f"Gate `{', '.join(search['thresholds'])}` on a ladder of {search['ladder']} mixes "
+                  f"{search['step_bpw']:g} bits per weight apart (bisection; every mix calibrated and evaluated):", "",
+                  "| mix | bits/weight (planned) | bits/weight (stored) | schemes | gated metrics | gate |",
+                  "| --- | ---: | ---: | --- | --- | --- |"]
+        for i, r in enumerate(search["rungs"]):
+            mark = " **(chosen)**" if i == search["chosen"] else " (next more aggressive)" if i == search["failed"] else ""
+            metrics = ", ".join(f"{k} {v['delta']:+.4g}{'%' if v['unit'] == '%' else ''}" for k, v in r["metrics"].items())
+            counts = ", ".join(f"{k} x{v}" for k, v in r["counts"].items())
+            lines.append(f"| {i + 1}{mark} | {r['planned_bpw']:.4f} | {r['stored_bpw']:.4f} | {counts} | {metrics} | "
+                         f"{'failed' if r['breaches'] else 'passed'} |")
+    columns: list[str] = []
+    blocks: dict[str, dict[str, str]] = {}
+    for row in mixed["layers"]:
+        _, block, name = _split_layer(row["name"])
+        columns += [name] if name not in columns else []
+        blocks.setdefault(block, {})[name] = row["scheme"]
+    lines += ["", "Scheme of each Linear (`float`: left unquantized):", "",
+              "| block | " + " | ".join(columns) + " |", "| ---: |" + " --- |" * len(columns)]
+    lines += [f"| {b} | " + " | ".join(row.get(c, "-") for c in columns) + " |" for b, row in blocks.items()]
+    return "\n".join(lines)
+
+
+def _split_layer(name: str) -> tuple[str, str, str]:
+    """"model.layers.3.mlp.experts.5.up_proj" -> ("model.layers", "3", "mlp.experts.*.up_proj")."""
+    import re
+
+    m = re.fullmatch(r"(.*?)\.(\d+)\.(.+)", name)
+    if m is None:
+        return "", "", name
+    return m[1], m[2], re.sub(r"\.experts\.\d+\.", ".experts.*.", m[3])
 
 
 def _loading_section(facts: Facts) -> str:

@@ -5,8 +5,10 @@ CLI flags and recipe YAML are two constructors of the same objects; validation l
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from quantkit.errors import QuantkitError
 
@@ -64,6 +66,22 @@ class QuantScheme:
         g = "ch" if self.group_size == -1 else f"g{self.group_size}"
         return f"w{self.bits}{g}{'' if self.sym else '-asym'}{'-act' if self.act_order else ''}"
 
+    def with_precision(self, name: str, where: str = "layer_schemes") -> "QuantScheme":
+        """This scheme at the bits and group size `name` says ("w8g64", "w4ch": QuantScheme.name() without the
+        suffixes); symmetry and act-order stay (a checkpoint holds them once for all its layers)."""
+        m = re.fullmatch(r"w(\d+)(?:g(\d+)|(ch))", name)
+        if m is None:
+            raise QuantkitError(f"{where}: scheme {name!r} is not a scheme name such as w4g64, w8g128 or w8ch "
+                                f"(or {FLOAT!r} for a layer left unquantized)")
+        return dataclasses.replace(self, bits=int(m[1]), group_size=-1 if m[3] else int(m[2]))
+
+    def precision_name(self) -> str:
+        """"w4g64" / "w8ch": what `with_precision` takes."""
+        return f"w{self.bits}{'ch' if self.group_size == -1 else f'g{self.group_size}'}"
+
+
+FLOAT = "float"  # a layer_schemes entry: the Linear is left unquantized (written in the checkpoint's float dtype)
+
 
 METHODS = ("rtn", "gptq", "awq")
 DATA_MODES = ("concat", "rows")
@@ -72,16 +90,22 @@ CALIB_KEYS: dict[str, type] = {
     "model": str, "method": str, "bits": int, "group_size": int, "sym": bool, "act_order": bool,
     "static_groups": bool, "format": str, "data": str, "num_samples": int, "seq_len": int, "data_mode": str,
     "seed": int, "damp": float, "group_aware": bool, "block_size": int, "batch_size": int, "compute_dtype": str,
-    "clip_search": bool,
+    "clip_search": bool, "moe_min_tokens": int, "layer_schemes": dict,
 }
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def default_layout(method: str, scheme: QuantScheme) -> str:
-    """AWQ -> AWQ GEMM (4-bit) or compressed-tensors (8-bit); GPTQ/RTN -> GPTQ v1 when symmetric, else v2."""
+    """The layout the most runtimes load (bench/runtime_compat.py measures it in vLLM-CPU and transformers).
+    Symmetric GPTQ/RTN -> GPTQ v1. Asymmetric, and AWQ: AWQ GEMM where it holds the scheme (4-bit, grouped, no
+    act-order g_idx), because vLLM refuses asymmetric GPTQ on CPU (gptq_v2) but loads the same codes as AWQ; else
+    gptq_v2 for GPTQ/RTN (only GPTQ holds an act-order g_idx) and compressed-tensors for AWQ."""
+    awq_holds = scheme.bits == 4 and scheme.group_size != -1 and (not scheme.act_order or scheme.static_groups)
     if method == "awq":
-        return "awq" if scheme.bits == 4 else "compressed-tensors"
-    return "gptq" if scheme.sym else "gptq_v2"
+        return "awq" if awq_holds else "compressed-tensors"
+    if scheme.sym:
+        return "gptq"
+    return "awq" if awq_holds else "gptq_v2"
 
 
 @dataclass(frozen=True)
@@ -91,7 +115,7 @@ class CalibConfig:
     method: str = "gptq"
     scheme: QuantScheme = field(default_factory=QuantScheme)
     layout: str = "gptq"  # on-disk layout of the checkpoint (LAYOUTS)
-    data: Optional[str] = None  # calibration file; None = quantkit.data's default (wikitext-2 valid)
+    data: Optional[str] = None  # calibration file; None = the general set shipped in quantkit/calibration_data
     num_samples: int = 128
     seq_len: int = 512
     data_mode: str = "concat"  # "concat": chunks of a token stream; "rows": one sample per row
@@ -109,7 +133,14 @@ class CalibConfig:
     # matmuls of the calibration forwards: "bfloat16" autocasts them (weights, residual stream and statistics stay
     # fp32); "auto" = bfloat16 where the hardware has it (CUDA, CPUs with AVX512-BF16/AMX), else float32
     compute_dtype: str = "auto"
+    # MoE: an expert routed fewer calibration tokens is calibrated on a forced-routing pass (quant/moe_calibration.py);
+    # None = the hidden size (fewer give a singular Hessian); 0 = never (an unreached expert is rounded to nearest)
+    moe_min_tokens: Optional[int] = None
     model: Optional[str] = None  # None = the bundled default
+    # mixed precision (quant/mixed_precision.py): full module name ("model.layers.3.mlp.down_proj") -> its scheme, or
+    # None to leave that Linear unquantized; Linears not named take `scheme`. Flat form: {precision name | "float":
+    # [module names]} (`with_precision`)
+    layer_schemes: Optional[Mapping[str, Optional[QuantScheme]]] = None
 
     def __post_init__(self):
         s, where = self.scheme, f"method {self.method}"
@@ -142,6 +173,22 @@ class CalibConfig:
                 raise QuantkitError(f"{name}={getattr(self, name)} must be at least 1")
         if self.seq_len < 2:
             raise QuantkitError(f"seq_len={self.seq_len} must be at least 2")
+        if self.moe_min_tokens is not None and self.moe_min_tokens < 0:
+            raise QuantkitError(f"moe_min_tokens={self.moe_min_tokens} must be at least 0 (0: no forced-routing pass)")
+        if self.layer_schemes:
+            if self.method == "awq":
+                raise QuantkitError("per-layer schemes take --method gptq or rtn: AWQ searches one scale per "
+                                    "scaling group for one scheme")
+            schemes = {s for s in self.layer_schemes.values() if s is not None} | {s}
+            if self.layout == "awq" and len(schemes) > 1:
+                raise QuantkitError("format awq holds one scheme for every quantized layer: write a mix of schemes as "
+                                    "--format gptq, gptq_v2 or compressed-tensors")
+
+    def scheme_of(self, module: str) -> Optional[QuantScheme]:
+        """The scheme of the Linear `module` (full name), None when it stays unquantized."""
+        if self.layer_schemes is None or module not in self.layer_schemes:
+            return self.scheme
+        return self.layer_schemes[module]
 
     @classmethod
     def from_flat(cls, flat: dict[str, Any], where: dict[str, str] | None = None, origin: str = "") -> "CalibConfig":
@@ -165,10 +212,14 @@ class CalibConfig:
         try:
             scheme = QuantScheme(**scheme_args)
             args = {k: flat[k] for k in ("data", "num_samples", "seq_len", "data_mode", "seed", "block_size",
-                                        "batch_size", "model", "compute_dtype", "group_aware", "clip_search")
+                                        "batch_size", "model", "compute_dtype", "group_aware", "clip_search",
+                                        "moe_min_tokens")
                     if flat.get(k) is not None}
             if flat.get("damp") is not None:
                 args["damp"] = float(flat["damp"])
+            if flat.get("layer_schemes"):
+                args["layer_schemes"] = _layer_schemes(flat["layer_schemes"], scheme, where.get("layer_schemes",
+                                                                                                "layer_schemes"))
             layout = flat.get("format") or default_layout(method, scheme)
             return cls(method=method, scheme=scheme, layout=layout, **args)
         except QuantkitError as e:
@@ -181,13 +232,40 @@ class CalibConfig:
                 "act_order": s.act_order, "static_groups": s.static_groups, "format": self.layout, "data": self.data,
                 "num_samples": self.num_samples, "seq_len": self.seq_len, "data_mode": self.data_mode,
                 "seed": self.seed, "damp": self.damp, "group_aware": self.group_aware, "block_size": self.block_size,
-                "batch_size": self.batch_size, "compute_dtype": self.compute_dtype, "clip_search": self.clip_search}
+                "batch_size": self.batch_size, "compute_dtype": self.compute_dtype, "clip_search": self.clip_search,
+                "moe_min_tokens": self.moe_min_tokens, "layer_schemes": self.flat_layer_schemes()}
+
+    def flat_layer_schemes(self) -> Optional[dict[str, list[str]]]:
+        """layer_schemes as {precision name | "float": [module names]} (None without per-layer schemes)."""
+        if not self.layer_schemes:
+            return None
+        out: dict[str, list[str]] = {}
+        for module, s in sorted(self.layer_schemes.items()):
+            out.setdefault(FLOAT if s is None else s.precision_name(), []).append(module)
+        return out
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """Everything that changes the calibrated weights (the work folder is reused only when these match)."""
-        return {
+        fields = {
             "method": self.method, "scheme": self.scheme.__dict__, "data_mode": self.data_mode,
             "num_samples": self.num_samples, "seq_len": self.seq_len, "seed": self.seed, "damp": self.damp,
             "group_aware": self.group_aware, "block_size": self.block_size, "batch_size": self.batch_size,
-            "compute_dtype": self.compute_dtype, "clip_search": self.clip_search,
+            "compute_dtype": self.compute_dtype, "clip_search": self.clip_search, "moe_min_tokens": self.moe_min_tokens,
         }
+        if self.layer_schemes:
+            fields["layer_schemes"] = self.flat_layer_schemes()
+        return fields
+
+
+def _layer_schemes(flat: dict, base: QuantScheme, where: str) -> dict[str, Optional[QuantScheme]]:
+    """{precision name | "float": [module names]} -> {module name: QuantScheme or None}."""
+    out: dict[str, Optional[QuantScheme]] = {}
+    for name, modules in flat.items():
+        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+            raise QuantkitError(f"{where}: {name} must list module names, got {modules!r}")
+        scheme = None if name == FLOAT else base.with_precision(str(name), where)
+        for module in modules:
+            if module in out:
+                raise QuantkitError(f"{where}: {module} is listed under two schemes")
+            out[module] = scheme
+    return out

@@ -36,20 +36,23 @@ def read_hf_config(folder: Path) -> dict:
     return read_json(folder / "config.json")
 
 
+def safetensors_files(folder: Path) -> list[str]:
+    """The folder's model.safetensors, or the shards its model.safetensors.index.json names."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(read_json(index)["weight_map"].values()))
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise QuantkitError(f"{folder}: no model.safetensors or model.safetensors.index.json "
+                        "(only safetensors weights load)")
+
+
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's model.safetensors, or of the shards its index names."""
     from safetensors.torch import load_file
 
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(read_json(index)["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise QuantkitError(f"{folder}: no model.safetensors or model.safetensors.index.json "
-                            "(only safetensors weights load)")
     state: dict[str, torch.Tensor] = {}
-    for shard in shards:
+    for shard in safetensors_files(folder):
         try:
             state.update(load_file(str(folder / shard)))
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (routes as vLLM's server has them); `build_app` is the whole surface.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id} (the served model's
-card; any other id is a 404), GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version. Anything
-else is a 404 in the OpenAI error shape.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (api_embeddings.py), GET /v1/models,
+GET /v1/models/{id} (the served model's card; any other id is a 404), GET /health, GET /metrics, POST /tokenize,
+POST /detokenize, GET /version. Anything else is a 404 in the OpenAI error shape.
 Every error body is {"error": {"message", "type", "param", "code"}}, whatever failed (an unexpected exception is a
 500 in that shape, its traceback logged once); a request validation.py refuses is a 400 naming the field. With an
 API key, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401 otherwise).
@@ -24,14 +24,15 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantkit import __version__
+from quantkit.serve.api_embeddings import embeddings_response, prepare_embeddings
 from quantkit.serve.api_generate import (
     Serving, chat_prompt, chat_response, chat_stream, check_model, completion_response, completion_stream,
     prepare_chat, prepare_completion, stream_events, tokenize_text, unless_disconnected,
 )
 from quantkit.serve.metrics import ServerMetrics
 from quantkit.serve.protocol import (
-    MAX_REQUEST_BYTES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-    parse_request,
+    MAX_REQUEST_BYTES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+    TokenizeRequest, parse_request,
 )
 from quantkit.serve.validation import InvalidRequest, check_token_ids
 
@@ -134,13 +135,14 @@ async def read_body(raw_request: Request, max_bytes: int) -> bytes:
 
 def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api_key: str | None = None,
               chat_template: str | None = None, model_info: dict[str, str] | None = None,
-              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES, metrics_prefix: str = "quantkit") -> FastAPI:
     """The FastAPI app serving `engine` (an EngineFrontend) under the name `served_model_name`.
 
     chat_template: a Jinja template used instead of the tokenizer's. model_info: labels of the
-    quantkit:model_info gauge (e.g. source, quantization). app.state.admission drains it (server.py).
+    quantkit:model_info gauge (e.g. source, quantization). metrics_prefix: quantkit or vllm (metrics.py).
+    app.state.admission drains it (server.py).
     """
-    metrics = ServerMetrics(served_model_name, model_info or {})
+    metrics = ServerMetrics(served_model_name, model_info or {}, max_model_len, metrics_prefix)
     serving = Serving(engine, tokenizer, served_model_name, max_model_len, chat_template, metrics)
     admission = Admission()
     created = int(time.time())
@@ -200,6 +202,14 @@ def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api
     @app.post("/v1/chat/completions")
     async def chat_completions(raw_request: Request):
         return await generate(raw_request, ChatCompletionRequest, prepare_chat, chat_stream, chat_response)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw_request: Request):
+        require_engine()
+        request, (request_id, jobs) = await parsed(raw_request, EmbeddingRequest,
+                                                   lambda r: prepare_embeddings(serving, r))
+        response = await unless_disconnected(raw_request, embeddings_response(serving, request, request_id, jobs))
+        return Response(response.model_dump_json(), media_type="application/json")
 
     card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "quantkit",
             "root": (model_info or {}).get("source", served_model_name), "parent": None,

@@ -2,9 +2,10 @@
 
 EngineFrontend keeps the per-request streams: `generate` validates a request (validation.py) and yields cumulative
 RequestOutputs from an asyncio.Queue of the caller's event loop; `generate_validated` is the same for a request
-validated already (the HTTP API's). A step's outputs reach each loop in one wake-up. A step that raises fails
-only the requests it ran (their streams raise RequestFailedError; LLMEngine.guarded_step); an engine that stops
-for good ends every stream with EngineDeadError and sets `errored`. Two back ends:
+validated already (the HTTP API's); `embed` awaits the EmbeddingOutput of one input (pooling.py). A step's outputs
+reach each loop in one wake-up. A step that raises fails only the requests it ran (their streams raise
+RequestFailedError; LLMEngine.guarded_step); an engine that stops for good ends every stream with EngineDeadError
+and sets `errored`. Two back ends:
   AsyncLLMEngine: the LLMEngine stepped by a background thread of this process. Calls from any thread (add,
     abort, shutdown) are queued and applied by the engine thread between steps, so an abort frees its blocks
     before the next step runs. Simple and embeddable, but the engine shares the GIL with the event loop.
@@ -22,6 +23,7 @@ from typing import AsyncIterator, Callable
 
 from quantkit.serve.engine import LLMEngine
 from quantkit.serve.outputs import RequestOutput
+from quantkit.serve.pooling import EmbeddingJob, EmbeddingOutput
 from quantkit.serve.sampling_params import SamplingParams
 from quantkit.serve.validation import ValidRequest, validate_request
 
@@ -44,11 +46,12 @@ class RequestFailedError(RuntimeError):
 
 
 class EngineFrontend:
-    """The streams of in-flight requests. Subclasses deliver requests to an engine: _send_add, _send_abort,
-    _alive, shutdown; and hand back its outputs through _deliver_step / _close / _fail_all."""
+    """The streams of in-flight requests. Subclasses deliver requests to an engine: _send_add, _send_embed,
+    _send_abort, _alive, shutdown; and hand back its outputs through _deliver_step / _close / _fail_all."""
 
     def __init__(self, vocab_size: int, max_model_len: int, max_num_seqs: int, stats: dict):
         self.vocab_size, self.max_model_len, self.max_num_seqs = vocab_size, max_model_len, max_num_seqs
+        self.hidden_size = 0  # the model's, the length of an embedding: set by the back end once it is known
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
@@ -56,6 +59,9 @@ class EngineFrontend:
         self._stats = stats
 
     def _send_add(self, request_id: str, request: ValidRequest, prompt: str | None) -> None:
+        raise NotImplementedError
+
+    def _send_embed(self, request_id: str, job: EmbeddingJob) -> None:
         raise NotImplementedError
 
     def _send_abort(self, request_id: str) -> None:
@@ -88,6 +94,20 @@ class EngineFrontend:
                                  prompt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of a request validate_request passed, until it finishes. ValueError when the id is in
         use; EngineDeadError when the engine has failed. Leaving the iteration early aborts the request."""
+        async with aclosing(self._stream(request_id, lambda: self._send_add(request_id, request, prompt))) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def embed(self, request_id: str, job: EmbeddingJob) -> EmbeddingOutput | None:
+        """The pooled vector of one input validate_embedding_input passed; None when the engine dropped it unfinished
+        (shutting down). Errors as generate_validated; cancelling the await drops the job from the engine's queue."""
+        async with aclosing(self._stream(request_id, lambda: self._send_embed(request_id, job))) as outputs:
+            async for out in outputs:
+                return out
+        return None
+
+    async def _stream(self, request_id: str, send: Callable[[], None]):
+        """The items delivered for request_id after send() hands it to the engine, until its finished one."""
         if self.errored is not None:
             raise EngineDeadError(f"the engine failed: {self.errored!r}")
         if self._stopping:
@@ -98,7 +118,7 @@ class EngineFrontend:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, queue)
-        self._send_add(request_id, request, prompt)
+        send()
         finished = False
         try:
             while True:
@@ -165,6 +185,7 @@ class EngineFrontend:
 class AsyncLLMEngine(EngineFrontend):
     def __init__(self, engine: LLMEngine):
         super().__init__(engine.vocab_size, engine.max_model_len, engine.cfg.max_num_seqs, engine.stats())
+        self.hidden_size = engine.model.config.hidden_size
         self.engine = engine
         self._ops: list[Callable[[], None]] = []  # applied by the engine thread, in order
         self._wake = threading.Event()
@@ -185,6 +206,9 @@ class AsyncLLMEngine(EngineFrontend):
     def _send_add(self, request_id: str, request: ValidRequest, prompt: str | None) -> None:
         self._submit(lambda: self._add_now(request_id, request, prompt))
 
+    def _send_embed(self, request_id: str, job: EmbeddingJob) -> None:
+        self._submit(lambda: self._embed_now(request_id, job))
+
     def _send_abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort_now(request_id))
 
@@ -204,6 +228,12 @@ class AsyncLLMEngine(EngineFrontend):
     def _add_now(self, request_id: str, request: ValidRequest, prompt: str | None) -> None:
         try:
             self.engine.add_request(request_id, request, prompt=prompt)
+        except ValueError as e:  # the id is still in use by an unfinished request
+            self._close(request_id, e)
+
+    def _embed_now(self, request_id: str, job: EmbeddingJob) -> None:
+        try:
+            self.engine.add_embedding(request_id, job)
         except ValueError as e:  # the id is still in use by an unfinished request
             self._close(request_id, e)
 

@@ -11,8 +11,12 @@ then attends over the cache. The batch is ordered decodes first (one new token e
     construction: per sequence only the keys the layer can see are gathered (a windowed layer reads the last
     `window` positions, never a block the block manager freed behind the window), masked with the dense path's
     window_mask and attended with its masked_attention (SDPA, or an fp32 softmax after the soft-cap).
+    Batch-invariant (given rows_kernel, paged_decode.py's paged_rows): every query row of every layer - decode,
+    prefill chunk (fresh or after cached context), speculative verify - is one decode item over the positions of
+    its sequence its layer lets it see (window and soft-cap in the kernel), so a position's output is the same bits
+    whatever the step holds.
   TritonPagedAttention: CUDA fp16/bf16: quantkit.kernels kv_store / paged_attention_decode / _prefill, at each
-    layer's scale; windows and soft-caps are refused at startup (unsupported_by_paged_attention(model, "triton")).
+    layer's scale, sliding window and soft-cap (the kernels start at the window: never a FREED block-table entry).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.kernels.cpu import paged_prefill as cpu_prefill
-from quantkit.kernels.cpu.paged_decode import paged_decode
+from quantkit.kernels.cpu.paged_decode import paged_decode, paged_rows
 from quantkit.models.attention import AttentionSpec, kernel_servable, masked_attention, window_mask
 
 
@@ -53,11 +57,15 @@ class TorchPagedAttention:
     """Pure torch paged attention; per step it precomputes the gather/mask tensors all layers share."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], specs, decode_kernel=None,
-                 fused_ops=None, prefill_kernel=None):
-        """specs: per layer AttentionSpec (model.attention_specs), or one scale for every layer."""
+                 fused_ops=None, prefill_kernel=None, rows_kernel=None):
+        """specs: per layer AttentionSpec (model.attention_specs), or one scale for every layer. rows_kernel:
+        paged_decode.load_rows_kernel() for batch-invariant serving (then it runs every row of every layer, at the
+        layer's window and soft-cap), or None."""
         self.kv_caches = kv_caches  # per layer (k_cache, v_cache) [num_blocks, block_size, Hkv, D]
         self.specs = layer_specs(specs, len(kv_caches))
-        self.fast = [kernel_servable(spec) for spec in self.specs]  # the kernels' (or plain SDPA's) layers
+        self.rows_kernel = rows_kernel
+        # the kernels' (or plain SDPA's) layers; with rows_kernel, every layer
+        self.fast = [rows_kernel is not None or kernel_servable(spec) for spec in self.specs]
         # the windows of the masked layers (None: a soft-capped layer without one); begin_step gathers per window
         self.windows = list(dict.fromkeys(spec.sliding_window for spec, fast in zip(self.specs, self.fast)
                                           if not fast))
@@ -107,6 +115,16 @@ class TorchPagedAttention:
 
     def _begin_fast(self, meta: AttentionMetadata) -> None:
         """The kernels' inputs (or the plain SDPA path's gathers) for the kernel_servable layers."""
+        if self.rows_kernel is not None:
+            # per row: its sequence and length (its position + 1); row t of sequence s, whose new tokens end at
+            # query_start_loc[s + 1], sits at position seq_lens[s] - query_start_loc[s + 1] + t
+            q_lens = torch.tensor(meta.query_lens_host)
+            self.rows_tables = meta.block_tables.contiguous()
+            self.row_seqs = torch.repeat_interleave(torch.arange(len(q_lens), dtype=torch.int32), q_lens)
+            ends = meta.query_start_loc[1:].long()
+            offset = torch.repeat_interleave(meta.seq_lens.long() - ends, q_lens)
+            self.row_lens = (torch.arange(int(ends[-1])) + offset + 1).to(torch.int32)
+            return
         block_size = self.kv_caches[0][0].shape[1]
         nd = meta.num_decodes
         self.decode_blocks = self.decode_mask = None
@@ -155,6 +173,10 @@ class TorchPagedAttention:
         if not self.fast[layer_idx]:
             return self._masked(spec, q, k_cache, v_cache, out)
         scale = spec.scale
+        if self.rows_kernel is not None:
+            paged_rows(self.rows_kernel, q.contiguous(), k_cache, v_cache, self.rows_tables, self.row_seqs,
+                       self.row_lens, scale, out, spec.sliding_window, spec.logit_softcap)
+            return out
         hq = q.shape[1]
         nd = self.meta.num_decodes
         if nd and self.decode_kernel is not None:
@@ -210,16 +232,16 @@ class TritonPagedAttention:
     """CUDA: the Triton kernels of quantkit.kernels (imported lazily; fp16/bf16 caches)."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], specs):
-        """specs: per layer AttentionSpec (kernel_servable ones only: the runner refuses the rest) or one scale."""
+        """specs: per layer AttentionSpec (model.attention_specs) or one scale for every layer."""
         from quantkit.kernels.triton.kv_store import kv_store
         from quantkit.kernels.triton.paged_attention import paged_attention_decode
         from quantkit.kernels.triton.paged_prefill import paged_attention_prefill
 
         self.kv_store, self.decode, self.prefill = kv_store, paged_attention_decode, paged_attention_prefill
         self.kv_caches = kv_caches
-        self.specs = layer_specs(specs, len(kv_caches))
-        if not all(kernel_servable(spec) for spec in self.specs):
-            raise ValueError("the Triton paged attention kernels implement neither sliding windows nor soft-caps")
+        # per layer the kernels' keyword arguments: scale, window and soft-cap (0 = none)
+        self.layer_args = [dict(scale=spec.scale, window=spec.sliding_window or 0, softcap=spec.logit_softcap or 0.0)
+                           for spec in layer_specs(specs, len(kv_caches))]
         self.meta: AttentionMetadata | None = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
@@ -231,15 +253,14 @@ class TritonPagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]
         meta = self.meta
-        scale = self.specs[layer_idx].scale
+        args = self.layer_args[layer_idx]
         self.kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == q.shape[0]:
-            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale=scale)
+            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, **args)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                   scale=scale)
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], **args)
         out[nd:] = self.prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], self.prefill_qsl,
-                                meta.seq_lens[nd:], scale=scale, max_query_len=self.max_query_len)
+                                meta.seq_lens[nd:], max_query_len=self.max_query_len, **args)
         return out

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from quantkit.errors import QuantkitError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+POOLING_METHODS = ("last", "mean", "cls")  # /v1/embeddings (serve/pooling.py); last: vLLM's for a causal LM
 # Largest batch of decoding sequences that still speculates, per method, measured by bench/spec_decode.py on the
 # 2-core CPU (BENCHMARKS.md): n-gram still 1.06x at 8; the W4 self-draft of a 135M model pays only at 1.
 SPEC_MAX_BATCH = {"ngram": 8, "draft": 1}
@@ -17,7 +18,8 @@ class EngineConfig:
     """block_size: tokens per KV block.  max_num_batched_tokens: token budget of one step (decodes + prefill
     chunks).  max_num_seqs: running sequences at most.  max_model_len: prompt + output tokens at most (None =
     the model's max_position_embeddings).  kv_cache_memory: bytes for the KV pool (overrides the automatic
-    budget).  gpu_memory_utilization: fraction of device memory for weights + activations + KV on CUDA.
+    budget; with tensor parallelism, of all ranks together, each holding an even share).
+    gpu_memory_utilization: fraction of device memory for weights + activations + KV on CUDA.
     cpu_kv_cache_fraction: on CPU without kv_cache_memory, the KV pool gets this fraction of available RAM
     (capped at cpu_kv_cache_max_bytes).  dtype: compute and KV dtype ("auto": bfloat16 on CPU, the checkpoint's
     float16/bfloat16 on CUDA).  seed: the engine generator for requests without their own seed.
@@ -27,6 +29,12 @@ class EngineConfig:
     ngram_prompt_lookup_min and _max tokens) or draft (speculative_model drafts; set alone, it implies draft);
     num_speculative_tokens drafts per step; off for a step with more than speculative_disable_by_batch_size
     decoding sequences, and for a sequence whose acceptance rate falls below speculative_min_acceptance.
+    batch_invariant: bf16 on CPU, a request's greedy tokens do not depend on what it is batched with, on a cached
+    prefix, on prompt chunking or on speculation (row-invariant GEMM and attention, serve/prepare.py); holds for
+    bf16 weights in layers without sliding window or soft-cap; fp32 and CUDA serving are unchanged by it.
+    tensor_parallel_size: ranks the model is split over (serve/tp_group.py: rank 0 runs the engine, the others
+    are worker processes; torch.distributed, gloo on CPU, nccl on CUDA); not with speculative decoding yet.
+    pooling: how /v1/embeddings pools the final-normed hidden states of an input (POOLING_METHODS).
     """
 
     block_size: int = 16
@@ -50,6 +58,9 @@ class EngineConfig:
     speculative_min_acceptance: float = 0.2
     ngram_prompt_lookup_max: int = 4
     ngram_prompt_lookup_min: int = 2
+    batch_invariant: bool = True
+    pooling: str = "last"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.speculative_method is None and self.speculative_model is not None:
@@ -75,6 +86,10 @@ class EngineConfig:
             ("speculative_min_acceptance", 0.0 <= self.speculative_min_acceptance <= 1.0, "in [0, 1]"),
             ("ngram_prompt_lookup_min", 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max,
              "at least 1 and at most ngram_prompt_lookup_max"),
+            ("pooling", self.pooling in POOLING_METHODS, f"one of {', '.join(POOLING_METHODS)}"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1 and (
+                self.tensor_parallel_size == 1 or self.speculative_method is None),
+             "at least 1, and 1 with speculative decoding (not implemented with tensor parallelism yet)"),
             ("device", self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              "auto, cpu or cuda[:N]"),
         ]

@@ -3,13 +3,18 @@
 PackedLinear: the weight reordered once for the matmul kernel, instead of on every call as aten's mm does. On CPUs
 with AMX the VNNI layout of kernels/cpu/gemm.py (its tile GEMM: 1.5x oneDNN's at decode batch sizes), otherwise
 oneDNN's blocked layout (AMX/AVX-512 BF16 kernels). Same products and fp32 accumulation as nn.Linear.
+Batch-invariant serving (rowwise=True, any CPU): the same VNNI layout through kernels/cpu/rowwise_gemm.py, whose
+row m depends only on x's row m (oneDNN picks its kernel and K blocking by the row count; so does the choice
+between AMX GEMM and GEMV), bias added in fp32 before the one rounding.
 
-FusedLinear (AMX only): the linears that read one input (q/k/v, gate/up) as one GEMM on their weights concatenated
-along N; one call instead of three per layer, and the small k/v projections no longer leave a thread idle.
+FusedLinear (AMX, or rowwise): the linears that read one input (q/k/v, gate/up) as one GEMM on their weights
+concatenated along N; one call instead of three per layer, and the small k/v projections no longer leave a thread
+idle. Columns are computed independently by both kernels, so the fused outputs are the parts' own bit for bit.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -18,23 +23,33 @@ from torch import nn
 from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import gemv as cpu_gemv
+from quantkit.kernels.cpu import rowwise_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
+
+log = logging.getLogger("quantkit.serve")
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, batch_hint: int):
+    def __init__(self, linear: nn.Linear, batch_hint: int, rowwise: bool = False):
+        """rowwise: run the row-invariant GEMM (batch-invariant serving); a shape it does not take (N % 16,
+        K % 32) keeps oneDNN, and `rowwise` is then False."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.vnni = cpu_gemm.pack_bf16(weight) if cpu_gemm.available() else None  # [N/16, K/2, 16] or None
+        # [N/16, K/2, 16] or None
+        self.vnni = cpu_gemm.pack_bf16(weight) if rowwise or cpu_gemm.available() else None
+        self.rowwise = rowwise and self.vnni is not None
         self.onednn = None if self.vnni is not None else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in_features] bf16 -> [..., out_features]
         if self.vnni is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
-        y = cpu_gemm.matmul_bf16(x.reshape(-1, self.in_features).contiguous(), self.vnni)
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if self.rowwise:
+            return rowwise_gemm.matmul(x2, self.vnni, self.bias).view(*x.shape[:-1], self.out_features)
+        y = cpu_gemm.matmul_bf16(x2, self.vnni)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -44,12 +59,18 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack_linears(model: nn.Module, batch_hint: int) -> int:
-    """Replace every plain nn.Linear of `model` (not QLinear) by a PackedLinear, in place; returns how many."""
+def pack_linears(model: nn.Module, batch_hint: int, rowwise: bool = False) -> int:
+    """Replace every plain nn.Linear of `model` (not QLinear) by a PackedLinear, in place (rowwise: on the
+    row-invariant GEMM; a layer it does not take is logged); returns how many."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, batch_hint))
+        packed = PackedLinear(child, batch_hint, rowwise)
+        if rowwise and not packed.rowwise:
+            log.warning("%s.%s (%d x %d) runs on oneDNN: batch invariance does not hold for it (the rowwise GEMM "
+                        "needs out_features %% 16 == 0 and in_features %% 32 == 0)", type(parent).__name__, name,
+                        child.out_features, child.in_features)
+        setattr(parent, name, packed)
     return len(swaps)
 
 
@@ -64,12 +85,13 @@ class FusedLinear(nn.Module):
     fallback through the parts applies the MLP's own ops.silu_mul."""
 
     def __init__(self, parts: list[nn.Module], weight, bits: int, perm: Optional[torch.Tensor],
-                 mlp: Optional[nn.Module]):
+                 mlp: Optional[nn.Module], rowwise: bool = False):
         super().__init__()
         self.parts = tuple(parts)  # a tuple: not registered as submodules again
         self.in_features = parts[0].in_features
         self.sizes = [p.out_features for p in parts]
         self.weight, self.bits, self.perm = weight, bits, perm  # bits 16: bf16 VNNI
+        self.rowwise = rowwise  # bf16 parts on the row-invariant GEMM
         object.__setattr__(self, "mlp", mlp)  # a plain reference back to the owner, not a submodule
         self.act = mlp is not None
         biases = [p.bias for p in parts]
@@ -79,17 +101,19 @@ class FusedLinear(nn.Module):
 
     @classmethod
     def of(cls, parts: list[nn.Module], mlp: Optional[nn.Module] = None) -> Optional["FusedLinear"]:
-        """The fused module, or None when the parts do not share one AMX packing (or, given the MLP, they are not
-        two bias-free parts of one width)."""
+        """The fused module, or None when the parts do not share one packing (AMX, or the rowwise GEMM's) (or,
+        given the MLP, they are not two bias-free parts of one width)."""
         interleave = mlp is not None
         if interleave and (len(parts) != 2 or parts[0].out_features != parts[1].out_features
                            or any(p.bias is not None for p in parts)):
             return None
         if all(isinstance(p, PackedLinear) and p.vnni is not None for p in parts):
+            if len({p.rowwise for p in parts}) != 1:
+                return None
             weight = _concat([p.vnni for p in parts], interleave)
             for p, view in zip(parts, _split(weight, [p.vnni.shape[0] for p in parts], interleave)):
                 p.vnni = view
-            return cls(parts, weight, 16, None, mlp)
+            return cls(parts, weight, 16, None, mlp, parts[0].rowwise)
         if not all(isinstance(p, QLinear) for p in parts):
             return None
         kernels = [p.prepared("amx") for p in parts]  # (perm, (codes, qparams, gs)) or None
@@ -114,6 +138,9 @@ class FusedLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
+        if self.rowwise:  # the bias in the kernel, in fp32, as each part's own call adds it
+            y = rowwise_gemm.matmul(x2.contiguous(), self.weight, None if self.act else self.bias, self.act)
+            return y.view(*lead, self.sizes[0]) if self.act else y.view(*lead, sum(self.sizes)).split(self.sizes, -1)
         if self.bits == 16 or m >= _AMX_MIN_M:
             y = cpu_gemm.matmul_packed(x2, self.perm, self.weight, self.bits, self.act)
         elif 0 < m <= cpu_gemv.MAX_ROWS and cpu_gemv.available() and (

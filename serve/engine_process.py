@@ -6,10 +6,12 @@ They share no GIL, so neither waits for the other. The child's OpenMP threads sp
 quiet step does not pay passive waits, which ran 1.7x slower on 2 cores), unless the user set a policy.
 
 Wire: one socketpair, pickled tuples (multiprocessing.connection framing).
-  server -> child: ("add", request_id, ValidRequest, prompt) | ("abort", request_id)
+  server -> child: ("add", request_id, ValidRequest, prompt) | ("embed", request_id, EmbeddingJob)
+                   | ("abort", request_id)
                    | ("shutdown", abort_inflight)
-  child -> server: ("ready", vocab_size, max_model_len, stats) | ("failed", message)   (once, at start)
-                   ("step", [RequestOutput], stats) after every step | ("stats", stats) when it goes idle
+  child -> server: ("ready", vocab_size, max_model_len, hidden_size, stats) | ("failed", message)   (once, at start)
+                   ("step", [RequestOutput | EmbeddingOutput], stats) after every step
+                   | ("stats", stats) when it goes idle
                    ("errored", {request_id: message}) before the "step" of a step that raised (those failed)
                    ("refused", request_id, message) | ("dead", message) | ("stopped", stats)   (the last)
 The child applies every message that has arrived before it runs the next step, so an abort frees its blocks
@@ -34,6 +36,7 @@ from quantkit.errors import QuantkitError
 from quantkit.serve.async_engine import _END, EngineDeadError, EngineFrontend
 from quantkit.serve.config import EngineConfig
 from quantkit.serve.cpu_threads import wait_policy_env
+from quantkit.serve.pooling import EmbeddingJob
 from quantkit.serve.validation import ValidRequest
 
 log = logging.getLogger("quantkit.serve")
@@ -56,7 +59,7 @@ class EngineProcess(EngineFrontend):
 
     def wait_ready(self, timeout: float = 900.0) -> "EngineProcess":
         """Block until the child has built its engine; QuantkitError with the child's message when it could not."""
-        self.vocab_size, self.max_model_len, self._stats = self._receive_ready(timeout)
+        self.vocab_size, self.max_model_len, self.hidden_size, self._stats = self._receive_ready(timeout)
         self._reader.start()
         return self
 
@@ -87,6 +90,9 @@ class EngineProcess(EngineFrontend):
 
     def _send_add(self, request_id: str, request: ValidRequest, prompt: str | None) -> None:
         self._send("add", request_id, request, prompt)
+
+    def _send_embed(self, request_id: str, job: EmbeddingJob) -> None:
+        self._send("embed", request_id, job)
 
     def _send_abort(self, request_id: str) -> None:
         self._close(request_id, _END)  # later outputs of this id find no stream and are dropped
@@ -172,9 +178,12 @@ def serve_forever(engine, conn: Connection) -> None:
         if not busy or conn.poll():
             while True:  # everything that has arrived (blocking for the first one when idle)
                 msg = conn.recv()
-                if msg[0] == "add":
+                if msg[0] in ("add", "embed"):
                     try:
-                        engine.add_request(msg[1], msg[2], prompt=msg[3])
+                        if msg[0] == "add":
+                            engine.add_request(msg[1], msg[2], prompt=msg[3])
+                        else:
+                            engine.add_embedding(msg[1], msg[2])
                     except ValueError as e:
                         conn.send(("refused", msg[1], str(e)))
                 elif msg[0] == "abort":
@@ -210,7 +219,7 @@ def main(fd: int) -> int:
         traceback.print_exc()
         conn.send(("failed", f"loading the model failed: {type(e).__name__}: {e}"))
         return 1
-    conn.send(("ready", engine.vocab_size, engine.max_model_len, engine.stats()))
+    conn.send(("ready", engine.vocab_size, engine.max_model_len, engine.model.config.hidden_size, engine.stats()))
     try:
         serve_forever(engine, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the server process is gone: nothing to serve

@@ -6,6 +6,7 @@ import itertools
 import json
 from dataclasses import fields
 
+from quantkit.errors import QuantkitError
 from quantkit.serve.config import EngineConfig
 from quantkit.serve.engine import LLMEngine
 from quantkit.serve.outputs import RequestOutput
@@ -29,6 +30,8 @@ def build_engine(model=None, **engine_kwargs) -> LLMEngine:
     """Load `model` (None = the bundled default, a path, a hub id, or a loaded `Loaded`) and build its engine.
 
     engine_kwargs: EngineConfig fields; dtype "auto" = bfloat16 on CPU, the checkpoint's half type on CUDA.
+    With tensor_parallel_size N > 1 this process becomes rank 0 and starts N - 1 workers (serve/tp_group.py), each
+    loading its shard of `model` (a path or hub id then, not a Loaded).
     """
     from quantkit.files import read_hf_config
     from quantkit.models.loader import Loaded, load_model, resolve
@@ -37,18 +40,33 @@ def build_engine(model=None, **engine_kwargs) -> LLMEngine:
     if unknown:
         raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
     cfg = EngineConfig(**engine_kwargs)
+    tp = None
     if isinstance(model, Loaded):
+        if cfg.tensor_parallel_size > 1:
+            raise QuantkitError("tensor_parallel_size > 1 needs the model's path or hub id (every rank loads its own "
+                                "shard), not a loaded model")
         loaded = model
     else:
         folder, _ = resolve(model)
         hf = read_hf_config(folder)
-        checkpoint_dtype = hf.get("torch_dtype") or hf.get("dtype")
-        loaded = load_model(model, dtype=cfg.resolved_dtype(checkpoint_dtype), device=cfg.resolved_device())
+        dtype = cfg.resolved_dtype(hf.get("torch_dtype") or hf.get("dtype"))
+        if cfg.tensor_parallel_size > 1:
+            from quantkit.serve.tp_group import start_rank0
+
+            tp, loaded = start_rank0(model, hf, cfg, dtype)
+        else:
+            loaded = load_model(model, dtype=dtype, device=cfg.resolved_device())
     draft = None
     if cfg.speculative_model is not None:
         draft = load_model(cfg.speculative_model, dtype=next(loaded.model.parameters()).dtype,
                            device=cfg.resolved_device()).model
-    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, eos_token_ids(loaded.tokenizer, loaded.path), draft)
+    try:
+        engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, eos_token_ids(loaded.tokenizer, loaded.path), draft,
+                           tensor_parallel=tp)
+    except BaseException:
+        if tp is not None:
+            tp.abort("rank 0 failed to build its engine")
+        raise
     engine.loaded = loaded
     return engine
 
@@ -86,3 +104,8 @@ class LLM:
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in order]
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (this LLM cannot generate afterwards)."""
+        if self.engine.tensor_parallel is not None:
+            self.engine.tensor_parallel.close()

@@ -20,13 +20,18 @@ from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, Tri
 from quantkit.serve.capacity import capacity_line, kv_bytes_per_token, num_kv_blocks
 from quantkit.serve.config import EngineConfig
 from quantkit.serve.cpu_threads import ThreadGovernor
-from quantkit.kernels.cpu.paged_decode import load_decode_kernel
+from quantkit.kernels.cpu.paged_decode import load_decode_kernel, load_rows_kernel
 from quantkit.kernels.cpu.paged_prefill import load_prefill_kernel
-from quantkit.serve.prepare import prepare_model
+from quantkit.serve.prepare import batch_invariant_mode, prepare_model
 from quantkit.serve.scheduler import ScheduledSeq, SchedulerOutput
 from quantkit.serve.sequence import Sequence
 
 log = logging.getLogger("quantkit.serve")
+
+
+class FatalStepError(RuntimeError):
+    """A step failure no later step can recover from (a tensor-parallel rank died: serve/tp_runner.py):
+    LLMEngine.guarded_step raises it at once, and the engine stops."""
 
 
 @dataclass
@@ -58,6 +63,8 @@ class StepBatch:
 
 
 class ModelRunner:
+    kv_share = 1  # ranks whose pools split one memory budget (tensor parallelism: serve/tp_runner.py)
+
     def __init__(self, model, engine_cfg: EngineConfig, device: str, dtype: torch.dtype, max_model_len: int,
                  num_blocks: int | None = None, shared_kv_bytes_per_token: int = 0):
         """num_blocks: a pool of exactly this size (a draft model's pool mirrors the target's block ids);
@@ -67,7 +74,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_model_len = max_model_len
-        unsupported = unsupported_by_paged_attention(model, self._backend_kind())
+        for rotary in model.rotaries():  # one RoPE per position for a sequence's life (longrope: vLLM's choice)
+            rotary.settle(max_model_len)
+        unsupported = unsupported_by_paged_attention(model)
         if unsupported is not None:  # refused at startup: never wrong output
             raise QuantkitError(f"cannot serve this model: {unsupported}")
         # tokens of KV a sequence keeps behind its next query (every layer slides), or None: all of it
@@ -76,8 +85,11 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
         self.vocab_size = mc.vocab_size
         self.block_size = engine_cfg.block_size
+        self.batch_invariant = batch_invariant_mode(engine_cfg.batch_invariant, self.device, dtype,
+                                                    engine_cfg.attention_backend == "auto")
         self.fused_ops = prepare_model(model, self.device, dtype, engine_cfg.max_num_batched_tokens,
-                                       fused_ops=engine_cfg.attention_backend == "auto")
+                                       fused_ops=engine_cfg.attention_backend == "auto",
+                                       batch_invariant=self.batch_invariant)
         self.bytes_per_token = kv_bytes_per_token(mc, torch.empty((), dtype=dtype).element_size())
         self.num_blocks = num_blocks or self._plan_blocks(self.bytes_per_token + shared_kv_bytes_per_token)
         if self.num_blocks * self.block_size < max_model_len:
@@ -115,13 +127,14 @@ class ModelRunner:
             return TritonPagedAttention(kv_caches, specs)
         native = self.cfg.attention_backend == "auto" and self.device.type == "cpu"
         return TorchPagedAttention(kv_caches, specs, load_decode_kernel() if native else None, self.fused_ops,
-                                   load_prefill_kernel() if native else None)
+                                   load_prefill_kernel() if native else None,
+                                   load_rows_kernel() if self.batch_invariant else None)
 
     # ---- capacity
     def _plan_blocks(self, bytes_per_token: int) -> int:
         """blocks = (budget - weights - activation peak) // (block_size x bytes per token)."""
         if self.cfg.kv_cache_memory is not None:
-            return num_kv_blocks(self.cfg.kv_cache_memory, self.block_size, bytes_per_token)
+            return num_kv_blocks(self.cfg.kv_cache_memory // self.kv_share, self.block_size, bytes_per_token)
         if self.device.type == "cuda":
             peak = self.profile_activation_peak()
             free, total = torch.cuda.mem_get_info(self.device)
@@ -132,7 +145,7 @@ class ModelRunner:
 
             available = psutil.virtual_memory().available  # weights are already resident
             budget = min(self.cfg.cpu_kv_cache_max_bytes, self.cfg.cpu_kv_cache_fraction * available)
-            budget -= self.activation_bound()
+            budget = budget / self.kv_share - self.activation_bound()  # this rank's share
         return num_kv_blocks(budget, self.block_size, bytes_per_token)
 
     def activation_bound(self) -> int:

@@ -7,6 +7,9 @@ On CPU, bf16:
      quantkit.kernels.cpu.fused (any CPU dtype, with the torch ops as their fallback);
   3. on AMX CPUs q/k/v and gate/up run as one GEMM each: the Attention and MLP modules become FusedAttention and
      FusedMLP, whose project() / activated() call a FusedLinear over the same parts (outputs bit-identical).
+Batch-invariant (EngineConfig.batch_invariant, bf16 on CPU with the C kernels): step 1 packs for the row-invariant
+GEMM of kernels/cpu/rowwise_gemm.py instead (every plain Linear, the lm_head included), and step 3 fuses on it on
+any CPU; the attention backend then runs every query row as a decode item (serve/attention.py).
 State-dict keys and parameters are unchanged by all three (the fused weights are views of the parts').
 """
 
@@ -19,8 +22,11 @@ import torch
 from torch import nn
 
 from quantkit.kernels.cpu import gemm as cpu_gemm
+from quantkit.kernels.cpu import rowwise_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
+from quantkit.kernels.cpu.paged_decode import load_rows_kernel
 from quantkit.models.llama import MLP, Attention, TorchOps
+from quantkit.quant.qlinear import QLinear
 from quantkit.serve.cpu_linear import FusedLinear, can_pack, pack_linears
 
 log = logging.getLogger("quantkit.serve")
@@ -44,17 +50,39 @@ class FusedMLP(MLP):
         return self.fused_gate_up(x)
 
 
+def batch_invariant_mode(asked: bool, device: torch.device, dtype: torch.dtype, native_kernels: bool) -> bool:
+    """Whether a runner serves batch-invariantly: asked (EngineConfig.batch_invariant), bf16 on CPU, the C kernels
+    in use (attention_backend auto) and the rowwise GEMM and row attention kernel built here. Other dtypes and
+    devices are served as before; asked but impossible here is logged."""
+    if not (asked and device.type == "cpu" and dtype == torch.bfloat16 and can_pack(dtype, device)):
+        return False
+    if native_kernels and rowwise_gemm.available() and load_rows_kernel() is not None:
+        if not rowwise_gemm.vectorised():
+            log.warning("batch-invariant serving: this CPU has no AVX-512 BF16, so the row-invariant GEMM runs its "
+                        "portable C path (slower than oneDNN); --no-batch-invariant trades invariance for speed")
+        return True
+    log.warning("batch-invariant serving needs the C kernels (attention_backend auto and a C compiler): greedy "
+                "output may depend on what a request is batched with")
+    return False
+
+
 def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int,
-                  fused_ops: bool) -> Optional[CpuFusedOps]:
+                  fused_ops: bool, batch_invariant: bool = False) -> Optional[CpuFusedOps]:
     """Prepare `model` in place for serving on `device` in `dtype` (batch_hint: the largest step's token count,
-    for oneDNN's packing); fused_ops: use the C per-token kernels where they build. Returns the ops in use when
-    they are the C kernels (the attention backend's KV store uses them too), else None."""
+    for oneDNN's packing); fused_ops: use the C per-token kernels where they build; batch_invariant: the rowwise
+    GEMM for every plain Linear (batch_invariant_mode said yes). Returns the ops in use when they are the C kernels
+    (the attention backend's KV store uses them too), else None."""
     if can_pack(dtype, device):
-        log.info("prepacked %d Linear weights (bf16)", pack_linears(model, batch_hint))
+        packed = pack_linears(model, batch_hint, rowwise=batch_invariant)
+        log.info("prepacked %d Linear weights (bf16%s)", packed, ", row-invariant GEMM" if batch_invariant else "")
+    quantized = sum(isinstance(m, QLinear) for m in model.modules())
+    if batch_invariant and quantized:
+        log.warning("batch-invariant serving: %d W4/W8 layers keep kernels chosen by the row count (their greedy "
+                    "output may still depend on batching; invariance holds for bf16 weights)", quantized)
     ops = CpuFusedOps.load(TorchOps) if device.type == "cpu" and fused_ops else None
     if ops is not None:
         model.set_ops(ops)
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_gemm.available():
+    if device.type == "cpu" and dtype == torch.bfloat16 and (cpu_gemm.available() or batch_invariant):
         log.info("fused %d q/k/v and gate/up-SiLU projections", fuse_projections(model))
     return ops
 

@@ -169,6 +169,20 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool = True
 
 
+class EmbeddingRequest(BaseModel):
+    """/v1/embeddings: OpenAI's fields plus vLLM's truncate_prompt_tokens, add_special_tokens and normalize."""
+
+    model_config = ConfigDict(extra="allow")
+    model: Name | None = None
+    input: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, strict=True, ge=1)
+    user: Name | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, strict=True, ge=-1)  # keep the last k; -1: max_model_len
+    add_special_tokens: StrictBool = True
+    normalize: StrictBool = True  # L2-normalise the pooled vector
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: Name | None = None
@@ -192,9 +206,9 @@ def parse_request(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
-        if param == "prompt":
-            raise APIError(400, "prompt: must be a string, a list of strings, a list of token ids or a list of "
-                                f"lists of token ids (got {_short(body.get('prompt'))})", param) from None
+        if param in ("prompt", "input"):  # the completions prompt, the embeddings input
+            raise APIError(400, f"{param}: must be a string, a list of strings, a list of token ids or a list of "
+                                f"lists of token ids (got {_short(body.get(param))})", param) from None
         raise APIError(400, f"{param or 'body'}: {err['msg']} (got {_short(err.get('input'))})", param) from None
 
 
@@ -386,3 +400,23 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of the little-endian float32 values
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

@@ -22,6 +22,7 @@ import uvicorn
 
 from quantkit.errors import QuantkitError
 from quantkit.serve.config import EngineConfig
+from quantkit.serve.metrics import PREFIXES as METRICS_PREFIXES
 from quantkit.serve.protocol import MAX_REQUEST_BYTES
 
 log = logging.getLogger("quantkit.serve")
@@ -41,11 +42,14 @@ class ServerOptions:
     log_level: str = "info"
     max_request_bytes: int = MAX_REQUEST_BYTES
     shutdown_timeout: float = GRACEFUL_SHUTDOWN_S  # seconds in-flight requests get to finish after SIGTERM
+    metrics_prefix: str = "quantkit"  # or vllm: /metrics under vLLM's names and labels (metrics.py)
 
     def __post_init__(self):
         if self.max_request_bytes < 1 or self.shutdown_timeout < 0:
             raise QuantkitError(f"--max-request-bytes {self.max_request_bytes} / --shutdown-timeout "
                                 f"{self.shutdown_timeout}: use at least 1 byte and 0 seconds")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise QuantkitError(f"--metrics-prefix {self.metrics_prefix}: use one of {', '.join(METRICS_PREFIXES)}")
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -122,7 +126,7 @@ def run_server(options: ServerOptions, engine_config: EngineConfig) -> int:
     name = options.served_model_name or default_served_name(options.model)
     app = build_app(engine, tokenizer, name, engine.max_model_len, api_key=options.api_key,
                     chat_template=chat_template, model_info=model_info(source, hf_config, engine_config),
-                    max_request_bytes=options.max_request_bytes)
+                    max_request_bytes=options.max_request_bytes, metrics_prefix=options.metrics_prefix)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
     server = DrainingServer(config, engine, app.state.admission, options.shutdown_timeout)

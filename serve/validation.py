@@ -6,7 +6,9 @@ validate_request checks, in this order: the prompt holds a token, every id is in
 parameters (SamplingParams.validate), what the engine can run (top_k at most the vocabulary, n at most the
 sequences it runs at once: a larger n could never be scheduled and would hold up the queue behind it), and
 prompt + max_tokens fits max_model_len (vLLM's message, byte for byte: clients parse it). A refusal is an
-InvalidRequest naming the request field at fault (the HTTP error's `param`).
+InvalidRequest naming the request field at fault (the HTTP error's `param`). An input of /v1/embeddings is checked
+by validate_embedding_input (a token at least, ids in the vocabulary, at most max_model_len tokens: nothing is
+generated after it).
 """
 
 from __future__ import annotations
@@ -82,3 +84,17 @@ def fitting_max_tokens(num_prompt: int, max_model_len: int) -> int:
                              f"has {num_prompt} input tokens. Please reduce the length of the input messages.",
                              "messages")
     return max_model_len - num_prompt
+
+
+def validate_embedding_input(token_ids: list[int], vocab_size: int, max_model_len: int, field: str) -> list[int]:
+    """The ids of one /v1/embeddings input as the engine may pool them, or InvalidRequest naming `field` (vLLM's
+    message for an input over max_model_len, byte for byte)."""
+    ids = list(token_ids)
+    if not ids:
+        raise InvalidRequest(f"{field}: each input must contain at least one token", field)
+    check_token_ids(ids, vocab_size, field)
+    if len(ids) > max_model_len:
+        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                             f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of "
+                             f"the input.", field)
+    return ids

@@ -150,8 +150,9 @@ class CpuFusedOps:
 
     # rope - q [T, Hq, D], k [T, Hkv, D] (tokens at any stride, heads contiguous), positions int [T] -> (q, k)
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary):
-        """q and k rotated in place at positions (rotary: the model's rotary embedding, for its inv_freq)."""
-        if q.dim() != 3 or positions.dim() != 1 or not _ours(q, k):
+        """q and k rotated in place at positions (rotary: the model's rotary embedding, for its inv_freq; one whose
+        cos/sin are scaled, longrope's attention factor, takes the fallback)."""
+        if q.dim() != 3 or positions.dim() != 1 or not _ours(q, k) or rotary.attention_factor != 1.0:
             return self.fallback.rope(q, k, positions, rotary)
         table = self.rope_table(positions, rotary.inv_freq)
         positions = positions.to(torch.int64).contiguous()

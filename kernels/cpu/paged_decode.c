@@ -1,5 +1,6 @@
-/* Paged decode attention of kernels/cpu/paged_decode.py: one query token per sequence against its paged K/V
-   cache, online softmax in fp32 over tiles of 16 tokens. */
+/* Paged decode attention of kernels/cpu/paged_decode.py: one query token per sequence (paged_decode), or per
+   query row with its own sequence and length (paged_rows), against the paged K/V cache, online softmax in fp32 over
+   tiles of 16 tokens from the first token the row sees (0 without a sliding window). */
 #include <math.h>
 
 #include "common.h"
@@ -21,7 +22,8 @@ static void store_row(void* base, int64_t off, int d, int dtype, const float* sr
   _Float16* o = (_Float16*)base + off; for (int i = 0; i < d; i++) o[i] = (_Float16)src[i];
 }
 
-/* One work item = (sequence s, kv head h): the G query heads of h over tokens [0, len) of s, in tiles of 16.
+/* One work item = (sequence s, kv head h): the G query heads of h over tokens [lo, len) of s, in tiles of 16 from
+   lo (0, or len - window for a sliding-window layer); cap > 0: scores soft-capped, cap * tanh(score / cap).
    Token t of s lives at row ((table[t / BS] * BS + t % BS) * Hkv + h) * D of a cache. */
 #define ITEM_PROLOGUE                                                                               \
   float qf[MAXG][MAXD] __attribute__((aligned(64))), acc[MAXG][MAXD] __attribute__((aligned(64)));  \
@@ -49,11 +51,17 @@ static void store_row(void* base, int64_t off, int d, int dtype, const float* sr
     store_row(out, ((int64_t)s * Hq + h * G + g) * D, D, dtype, acc[g]);                            \
   }
 
-static void item_generic(const void* q, const void* kc, const void* vc, const int32_t* table, int len, void* out,
-                         int s, int h, int G, int Hq, int Hkv, int D, int BS, float scale, int dtype) {
+/* sc [n] = cap * tanh(sc / cap) (scalar libm: the soft-capped layers only) */
+static void soft_cap(float* sc, int n, float cap) {
+  for (int j = 0; j < n; j++) sc[j] = cap * tanhf(sc[j] / cap);
+}
+
+static void item_generic(const void* q, const void* kc, const void* vc, const int32_t* table, int lo, int len,
+                         void* out, int s, int h, int G, int Hq, int Hkv, int D, int BS, float scale, float cap,
+                         int dtype) {
   ITEM_PROLOGUE
   float p[TILE];
-  for (int t0 = 0; t0 < len; t0 += TILE) {
+  for (int t0 = lo; t0 < len; t0 += TILE) {
     LOAD_TILE
     for (int g = 0; g < G; g++) {
       float mx = m[g];
@@ -62,8 +70,9 @@ static void item_generic(const void* q, const void* kc, const void* vc, const in
         #pragma omp simd reduction(+:sc)
         for (int d = 0; d < D; d++) sc += qf[g][d] * kt[j][d];
         p[j] = sc;
-        mx = sc > mx ? sc : mx;
       }
+      if (cap > 0.f) soft_cap(p, n, cap);
+      for (int j = 0; j < n; j++) mx = p[j] > mx ? p[j] : mx;
       const float corr = expf(m[g] - mx);  /* 0 on the first tile (m = -inf) */
       float sum = 0.f;
       for (int j = 0; j < n; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
@@ -107,12 +116,12 @@ static inline __attribute__((always_inline)) void softmax_pv(
 
 /* NV = D / 16 is a compile-time constant at each call: q, scores and the accumulator stay in registers */
 static inline __attribute__((always_inline)) void item_avx512(
-    const void* q, const void* kc, const void* vc, const int32_t* table, int len, void* out,
-    int s, int h, int G, int Hq, int Hkv, int BS, float scale, int dtype, const int NV) {
+    const void* q, const void* kc, const void* vc, const int32_t* table, int lo, int len, void* out,
+    int s, int h, int G, int Hq, int Hkv, int BS, float scale, float cap, int dtype, const int NV) {
   const int D = NV * 16;
   ITEM_PROLOGUE
   float sc[TILE] __attribute__((aligned(64)));
-  for (int t0 = 0; t0 < len; t0 += TILE) {
+  for (int t0 = lo; t0 < len; t0 += TILE) {
     LOAD_TILE
     const __mmask16 live = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
     for (int g = 0; g < G; g++) {
@@ -123,6 +132,7 @@ static inline __attribute__((always_inline)) void item_avx512(
         for (int v = 1; v < NV; v++) a = _mm512_fmadd_ps(qv[v], _mm512_load_ps(kt[j] + 16 * v), a);
         sc[j] = _mm512_reduce_add_ps(a);
       }
+      if (cap > 0.f) soft_cap(sc, n, cap);
       softmax_pv(_mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), live, sc), live, n, &m[g], &l[g], acc[g], vt, NV);
     }
   }
@@ -153,8 +163,8 @@ static inline __m512 sum16(const __m512* v) {
 /* bf16 caches: q . k with the bf16 dot-product instruction straight from the cache rows (no fp32 copy of K),
    16 scores per tile summed by sum16; V and the softmax as item_avx512. NV = D / 16. */
 static inline __attribute__((always_inline)) void item_bf16(
-    const uint16_t* q, const uint16_t* kc, const void* vc, const int32_t* table, int len, void* out,
-    int s, int h, int G, int Hq, int Hkv, int BS, float scale, const int NV) {
+    const uint16_t* q, const uint16_t* kc, const void* vc, const int32_t* table, int lo, int len, void* out,
+    int s, int h, int G, int Hq, int Hkv, int BS, float scale, float cap, const int NV) {
   const int D = NV * 16, NB = NV / 2;  /* NB zmm of 32 bf16 per row */
   float acc[MAXG][MAXD] __attribute__((aligned(64))), vt[TILE][MAXD] __attribute__((aligned(64)));
   float m[MAXG], l[MAXG];
@@ -167,7 +177,7 @@ static inline __attribute__((always_inline)) void item_bf16(
   }
   __m512 part[MAXG][TILE];
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int t0 = 0; t0 < len; t0 += TILE) {
+  for (int t0 = lo; t0 < len; t0 += TILE) {
     const int n = len - t0 < TILE ? len - t0 : TILE;
     /* the next tile usually sits in another block: ask for its rows now, while this tile computes */
     for (int t = t0 + TILE; t < t0 + 2 * TILE && t < len; t++) {
@@ -192,7 +202,14 @@ static inline __attribute__((always_inline)) void item_bf16(
     }
     const __mmask16 live = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
     for (int g = 0; g < G; g++) {
-      const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(sum16(part[g]), vscale));
+      __m512 x = _mm512_mul_ps(sum16(part[g]), vscale);
+      if (cap > 0.f) {
+        float sc[TILE] __attribute__((aligned(64)));
+        _mm512_store_ps(sc, x);
+        soft_cap(sc, n, cap);
+        x = _mm512_load_ps(sc);
+      }
+      x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, x);
       softmax_pv(x, live, n, &m[g], &l[g], acc[g], vt, NV);
     }
   }
@@ -202,26 +219,48 @@ static inline __attribute__((always_inline)) void item_bf16(
 #endif
 #endif
 
+/* items (query row r, kv head h) for rows [0, R): row r attends tokens [lo, lens[r]) of the sequence whose block
+   table is row seqs[r] of block_tables (seqs NULL: row r's own), lo = lens[r] - window when window > 0 and that
+   is positive, else 0; cap > 0 soft-caps the scores. Each item's arithmetic depends only on its query, its length
+   and the cache, never on R, on the other rows or on the thread. */
+static void run_items(const void* q, const void* kc, const void* vc, const int32_t* block_tables,
+                      const int32_t* seqs, const int32_t* lens, void* out, int R, int Hq, int Hkv, int D, int BS,
+                      int MB, float scale, int window, float cap, int dtype, int threads) {
+  const int G = Hq / Hkv;
+  /* a thread takes all kv heads of a row in a row: the heads' rows interleave in each block, so the second
+     and third heads read lines the first pulled into L2 (1.6x faster than heads spread over threads) */
+  const int chunk = R >= 2 * threads ? Hkv : 1;
+  #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
+  for (int item = 0; item < R * Hkv; item++) {
+    const int s = item / Hkv, h = item % Hkv;
+    const int32_t* table = block_tables + (int64_t)(seqs ? seqs[s] : s) * MB;
+    const int len = lens[s], lo = window > 0 && len > window ? len - window : 0;
+#if defined(__AVX512BF16__)
+    if (dtype == BF16 && D == 64) { item_bf16(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, BS, scale, cap, 4); continue; }
+    if (dtype == BF16 && D == 128) { item_bf16(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, BS, scale, cap, 8); continue; }
+#endif
+#if defined(__AVX512F__)
+    if (D == 64) { item_avx512(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, BS, scale, cap, dtype, 4); continue; }
+    if (D == 128) { item_avx512(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, BS, scale, cap, dtype, 8); continue; }
+#endif
+    item_generic(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, D, BS, scale, cap, dtype);
+  }
+}
+
 /* q [S, Hq, D]; k/v cache [NB, BS, Hkv, D]; block_tables int32 [S, MB]; seq_lens int32 [S]; out [S, Hq, D] */
 void paged_decode(const void* q, const void* kc, const void* vc, const int32_t* block_tables,
                   const int32_t* seq_lens, void* out, int S, int Hq, int Hkv, int D, int BS, int MB,
                   float scale, int dtype, int threads) {
-  const int G = Hq / Hkv;
-  /* a thread takes all kv heads of a sequence in a row: the heads' rows interleave in each block, so the second
-     and third heads read lines the first pulled into L2 (1.6x faster than heads spread over threads) */
-  const int chunk = S >= 2 * threads ? Hkv : 1;
-  #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
-  for (int item = 0; item < S * Hkv; item++) {
-    const int s = item / Hkv, h = item % Hkv;
-    const int32_t* table = block_tables + (int64_t)s * MB;
-#if defined(__AVX512BF16__)
-    if (dtype == BF16 && D == 64) { item_bf16(q, kc, vc, table, seq_lens[s], out, s, h, G, Hq, Hkv, BS, scale, 4); continue; }
-    if (dtype == BF16 && D == 128) { item_bf16(q, kc, vc, table, seq_lens[s], out, s, h, G, Hq, Hkv, BS, scale, 8); continue; }
-#endif
-#if defined(__AVX512F__)
-    if (D == 64) { item_avx512(q, kc, vc, table, seq_lens[s], out, s, h, G, Hq, Hkv, BS, scale, dtype, 4); continue; }
-    if (D == 128) { item_avx512(q, kc, vc, table, seq_lens[s], out, s, h, G, Hq, Hkv, BS, scale, dtype, 8); continue; }
-#endif
-    item_generic(q, kc, vc, table, seq_lens[s], out, s, h, G, Hq, Hkv, D, BS, scale, dtype);
-  }
+  run_items(q, kc, vc, block_tables, NULL, seq_lens, out, S, Hq, Hkv, D, BS, MB, scale, 0, 0.f, dtype, threads);
+}
+
+/* Every query row as its own decode item (batch-invariant serving: decode, prefill-chunk and verify rows alike).
+   q [R, Hq, D]; block_tables int32 [S, MB]; row_seqs int32 [R] (each row's sequence); row_lens int32 [R] (its
+   position + 1: causal); window: the layer's sliding window (0: none); cap: its logit soft-cap (0: none);
+   out [R, Hq, D] */
+void paged_rows(const void* q, const void* kc, const void* vc, const int32_t* block_tables, const int32_t* row_seqs,
+                const int32_t* row_lens, void* out, int R, int Hq, int Hkv, int D, int BS, int MB, float scale,
+                int window, float cap, int dtype, int threads) {
+  run_items(q, kc, vc, block_tables, row_seqs, row_lens, out, R, Hq, Hkv, D, BS, MB, scale, window, cap, dtype,
+            threads);
 }

@@ -1,5 +1,6 @@
 # paged_attention - q [S, Hq, D] x k/v_cache [num_blocks, block_size, Hkv, D] -> out [S, Hq, D], fp16/bf16
-"""Decode attention over the engine's paged KV cache: one query token per sequence, GQA, variable lengths.
+"""Decode attention over the engine's paged KV cache: one query token per sequence, GQA, variable lengths, an
+optional sliding window and logit soft-cap (a layer's AttentionSpec, quantkit/models/attention.py).
 
 Cache layout (docs/CONTRACTS.md): token t of sequence s lives in block block_tables[s, t // block_size] at row
 t % block_size; seq_lens[s] tokens are valid (the new token's K/V are already stored, kv_store.py).
@@ -12,6 +13,11 @@ Flash-decoding in two launches:
   2. grid (S, Hq): merges the partials of the splits that hold tokens (weights 2^(lse - max lse)).
 With one split, launch 1 writes `out` directly and launch 2 is skipped. The grid depends only on tensor shapes
 (block_tables.shape[1] bounds the context), never on seq_lens' values: no host sync, CUDA-graph safe.
+
+Window w (0 = none): the query at position p = seq_len - 1 sees keys (p - w, p], so every program starts at
+max(split start, seq_len - w): tiles behind the window are never loaded, and neither are their block-table entries
+(the block manager may have freed them: FREED = -1). Soft-cap c (0 = none): scores -> c * tanh(scale * q.k / c)
+before the softmax (Gemma 2, as transformers computes it). Both are constexpr-gated: the plain path is unchanged.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ PROGRAMS_PER_SM = 4  # split the context until S * Hkv * splits fills the GPU th
 
 @triton.jit
 def kv_tile(q, k_ptr, v_ptr, bt_row_ptr, t0, t_end, offs_d, mask_d, kv_head, block_size, stride_kb, stride_ks,
-            qk_scale, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+            qk_scale, cap_log2, SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Tokens [t0, t0 + BLOCK_N) of one sequence (those >= t_end masked) for the query rows q [BM, BD]:
     -> (offs_t [BN], scores [BM, BN] fp32 in log2 units, -inf where t >= t_end, v [BN, BD]).
+    Scores: q.k * qk_scale (= scale * log2(e)); SOFTCAP: tanh(q.k * qk_scale) * cap_log2 with qk_scale =
+    scale / cap and cap_log2 = cap * log2(e) (softcap_scales).
     Token t's row: block = block_tables row [t // block_size], at block * stride_kb + (t % block_size) * stride_ks
     + kv_head (the kv head's offset) in the cache [num_blocks, block_size, Hkv, D]."""
     offs_t = t0 + tl.arange(0, BLOCK_N)  # [BN] token positions
@@ -45,16 +53,29 @@ def kv_tile(q, k_ptr, v_ptr, bt_row_ptr, t0, t_end, offs_d, mask_d, kv_head, blo
     k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=mask_td, other=0.0)  # [BN, BD]
     v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=mask_td, other=0.0)  # [BN, BD]
     scores = mma(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_N), dtype=tl.float32), FP32_DOT) * qk_scale
+    if SOFTCAP:
+        scores = tanh(scores) * cap_log2
     return offs_t, tl.where(mask_t[None, :], scores, float("-inf")), v
 
 
 @triton.jit
-def softmax_step(scores, m_i, l_i, acc, v, FP32_DOT: tl.constexpr):
+def tanh(x):
+    """tanh in fp32 through the sigmoid (saturates to +-1 without overflow; absolute error ~1e-7)."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def softmax_step(scores, m_i, l_i, acc, v, FP32_DOT: tl.constexpr, EMPTY_ROWS: tl.constexpr):
     """Online softmax (exp2 domain): fold scores [BM, BN] (masked = -inf, >= 1 finite per row over the whole
-    run) and v [BN, D] into running max m_i [BM], sum l_i [BM] and output acc [BM, D] fp32."""
+    run) and v [BN, D] into running max m_i [BM], sum l_i [BM] and output acc [BM, D] fp32. EMPTY_ROWS: a row may
+    have seen no finite score yet (a window leaves the first tiles of later rows empty): its max stays -inf and
+    the step adds nothing to it instead of NaN."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [BM]
-    alpha = tl.exp2(m_i - m_new)  # rescale of the old sums (0 on the first tile: m_i = -inf)
-    p = tl.exp2(scores - m_new[:, None])  # [BM, BN]
+    shift = m_new
+    if EMPTY_ROWS:
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty row: alpha and p are exp2(-inf) = 0
+    alpha = tl.exp2(m_i - shift)  # rescale of the old sums (0 on the first tile: m_i = -inf)
+    p = tl.exp2(scores - shift[:, None])  # [BM, BN]
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = mma(p.to(v.dtype), v, acc * alpha[:, None], FP32_DOT)
     return m_new, l_i, acc
@@ -69,11 +90,13 @@ def _decode_split_kernel(
     out_ptr,  # [S, Hq, D] (NUM_SPLITS == 1)
     part_out_ptr,  # fp32 [S, Hq, NUM_SPLITS, D] (NUM_SPLITS > 1)
     part_lse_ptr,  # fp32 [S, Hq, NUM_SPLITS] (NUM_SPLITS > 1), log2 units
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale, cap_log2,  # softmax scale * log2(e), or with SOFTCAP scale / cap and cap * log2(e) (kv_tile)
+    window,  # keys the query sees, itself included (WINDOWED)
     block_size, partition,  # partition: tokens per split, a multiple of BLOCK_N
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -82,6 +105,8 @@ def _decode_split_kernel(
     seq_len = tl.load(lens_ptr + s)
     t_begin = split * partition
     t_end = tl.minimum(t_begin + partition, seq_len)  # empty range for splits past the context
+    if WINDOWED:  # the first visible key: splits wholly behind the window get an empty range
+        t_begin = tl.maximum(t_begin, seq_len - window)
 
     offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)  # [BH] query heads of this kv head (rows >= GROUP are padding)
     mask_h = tl.arange(0, BLOCK_H) < GROUP
@@ -97,8 +122,9 @@ def _decode_split_kernel(
     kv_head = kvh.to(tl.int64) * stride_kh
     for t0 in range(t_begin, t_end, BLOCK_N):
         _, scores, v = kv_tile(q, k_ptr, v_ptr, bt_ptr + s * stride_bt, t0, t_end, offs_d, mask_d, kv_head,
-                               block_size, stride_kb, stride_ks, qk_scale, FP32_DOT, BLOCK_N)  # [BH, BN], [BN, BD]
-        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, FP32_DOT)
+                               block_size, stride_kb, stride_ks, qk_scale, cap_log2, SOFTCAP, FP32_DOT,
+                               BLOCK_N)  # [BH, BN], [BN, BD]
+        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, FP32_DOT, False)
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -106,7 +132,7 @@ def _decode_split_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
     else:
         # partials (s, h, split, d) at ((s * Hq + h) * NUM_SPLITS + split) * HEAD_DIM + d; an empty split (past
-        # the context) writes zeros and lse -inf, which the merge never reads
+        # the context, or behind the window) writes zeros and lse -inf, which the merge skips or weighs 0
         row = (s * tl.num_programs(1) * GROUP + offs_h) * NUM_SPLITS + split  # [BH]
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
@@ -172,15 +198,25 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_n: int,
     return max(1, min(want, triton.cdiv(max_tokens, block_n)))
 
 
+def softcap_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """The kernels' (qk_scale, cap_log2): scores in log2 units are q.k * qk_scale, or with a soft-cap
+    tanh(q.k * qk_scale) * cap_log2 = cap * tanh(scale * q.k / cap) * log2(e)."""
+    assert softcap >= 0 and scale > 0, f"softcap {softcap} (0 = none), scale {scale}"
+    return (scale / softcap, softcap * LOG2E) if softcap else (scale * LOG2E, 0.0)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+                           window: int = 0, softcap: float = 0.0,
                            num_splits: int | None = None, block_n: int = DECODE_BLOCK_N) -> torch.Tensor:
     """q [S, Hq, D] (one new token per sequence, RoPE applied) -> out [S, Hq, D] in q.dtype.
 
-    Attends over tokens [0, seq_lens[s]) of each sequence (seq_lens >= 1, K/V already in the cache).
+    Attends over tokens [max(0, seq_lens[s] - window), seq_lens[s]) of each sequence (seq_lens >= 1, K/V already
+    in the cache; window 0: from token 0), scores soft-capped at `softcap` (0: none).
     scale defaults to 1/sqrt(D); num_splits (context partitions) defaults to filling the GPU.
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    assert window >= 0, f"window {window}: 0 (none) or the keys a query sees"
     num_seqs, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     assert q.shape[0] == block_tables.shape[0], "one query token per sequence"
@@ -198,12 +234,14 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_lse = out
     block_d = triton.next_power_of_2(d)
+    qk_scale, cap_log2 = softcap_scales(scale, softcap)
     _decode_split_kernel[(num_seqs, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, block_size, partition,
+        qk_scale, cap_log2, window, block_size, partition,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, NUM_SPLITS=num_splits, FP32_DOT=fp32_dot(q.dtype),
+        WINDOWED=window > 0, SOFTCAP=softcap > 0,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         num_warps=attention_warps(block_d), num_stages=2,
     )
@@ -222,25 +260,33 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[blocks, t % cache.shape[1]]
 
 
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float,
+                  window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Pure torch causal GQA attention in fp32: q [L, Hq, D] at positions first_pos.., k/v [T, Hkv, D] -> [L, Hq, D].
-    Query i sees keys 0..first_pos + i."""
+    Query i sees keys first_pos + i - window < t <= first_pos + i (window 0: from 0); softcap c > 0: scores ->
+    c * tanh(scores / c) after the scale."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # [T, Hq, D]
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("lhd,thd->hlt", q.float(), k) * scale  # [Hq, L, T]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = first_pos + torch.arange(q.shape[0], device=q.device)
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= pos[:, None]  # [L, T]
+    t = torch.arange(k.shape[0], device=q.device)[None, :]
+    visible = t <= pos[:, None]  # [L, T]
+    if window:
+        visible &= t > pos[:, None] - window
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return torch.einsum("hlt,thd->lhd", probs, v).to(q.dtype)
 
 
-def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale: float | None = None):
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale: float | None = None,
+                               window: int = 0, softcap: float = 0.0):
     """Pure torch `paged_attention_decode`: gather each sequence's K/V and attend in fp32."""
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     out = torch.empty_like(q)
     for s, length in enumerate(seq_lens.tolist()):
         k = gather_kv(k_cache, block_tables[s], length)
         v = gather_kv(v_cache, block_tables[s], length)
-        out[s] = attention_ref(q[s:s + 1], k, v, length - 1, scale)[0]
+        out[s] = attention_ref(q[s:s + 1], k, v, length - 1, scale, window, softcap)[0]
     return out

@@ -1,12 +1,19 @@
 """`quantkit plan`: size a deployment before launch, from the model's config.json and a card's datasheet.
 
-Weights: every parameter is counted from the config. Quantized (w8/w4) are the decoder Linears (q,k,v,o,gate,up,
-down): codes at bits/8 bytes each, plus per group of `group_size` input columns one fp16 scale and one zero packed
-at `bits` (the GPTQ layout; G = ceil(K / g)); embeddings, norms, biases and an untied lm_head stay fp16.
-`naive_bytes` is the back-of-envelope figure, every parameter at bits/8.
+Weights: every parameter of the model quantkit builds for the config, its family's own definition built on the meta
+device (shapes only): MoE experts, tied heads, q/k norms and biases counted as the model holds them. Quantized
+(w8/w4) are the decoder Linears the family registry names (never the MoE router or lm_head): codes at bits/8 bytes
+each, plus per group of `group_size` input columns one fp16 scale and one zero packed at `bits` (the GPTQ layout;
+G = ceil(K / g)); embeddings, norms, biases and an untied lm_head stay fp16. `naive_bytes` is the back-of-envelope
+figure, every parameter at bits/8.
+Tensor parallelism over N cards: each parameter at its one-device shape (quantkit/models/tensor_parallel.py, the
+rule TP serving applies); memory, KV capacity and the roofline are one card's, the KV heads per card kv_heads / N
+(at least 1). All-reduce time is not modelled.
 KV: the engine's own functions (quantkit.serve.capacity), so plan and `quantkit serve` agree for the same budget.
-Roofline decode step at batch b, context c: time = max(bytes / bandwidth, flops / peak) with
-bytes = weights + b * c * KV bytes per token, flops = b * (2 * matmul params + 4 * layers * q_heads * head_dim * c).
+Roofline decode step at batch b, context c, on one card: time = max(bytes / bandwidth, flops / peak) with
+bytes = weights + b * c * KV bytes per token, flops = b * (2 * matmul params + 4 * layers * q_heads * head_dim * c);
+matmul params count an MoE expert's weights at top_k / experts (the share of tokens routed to it), while the bytes
+count every expert each step (an upper bound at small batches, where some experts see no token).
 """
 
 from __future__ import annotations
@@ -15,8 +22,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+from torch import nn
+from torch.nn import init
+from torch.overrides import TorchFunctionMode
+
 from quantkit.errors import QuantkitError
-from quantkit.models.llama import ModelConfig
+from quantkit.models import CausalLM, ModelConfig
+from quantkit.models.registry import arch_spec
+from quantkit.models.tensor_parallel import check_tensor_parallel, device_shape, kv_heads_per_device
 from quantkit.serve.capacity import kv_bytes_per_token, num_kv_blocks
 
 GB = 1e9
@@ -80,12 +94,44 @@ def quant_of_folder(hf_config: dict) -> tuple[str, int]:
     return f"w{bits}", group
 
 
-def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
-    """(name, out N, in K) of the quantizable Linears of one decoder layer."""
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    return [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q),
-            ("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
+@dataclass(frozen=True)
+class Param:
+    name: str  # the state-dict name (HF's)
+    shape: tuple[int, ...]  # the whole model's
+    quantized: bool  # a decoder Linear weight that w8/w4 quantize
+    # share of the tokens multiplying it: 1 (a Linear), top_k / experts (an expert's), 0 (lookups, norms, biases)
+    matmul_share: float
+
+
+class _SkipInit(TorchFunctionMode):
+    """torch.nn.init's in-place initialisers return their tensor untouched (the shapes are all a plan needs; on the
+    meta device the random ones would first import torch._dynamo, seconds)."""
+
+    SKIPPED = {init.normal_, init.uniform_, init.trunc_normal_, init.kaiming_uniform_, init.kaiming_normal_,
+               init.xavier_uniform_, init.xavier_normal_, init.zeros_, init.ones_, init.constant_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def model_params(cfg: ModelConfig) -> list[Param]:
+    """Every parameter of the model quantkit builds for cfg (on the meta device: no memory, no init), a tied lm_head
+    once (as the embedding, which then also multiplies every token)."""
+    with torch.device("meta"), _SkipInit():
+        model = CausalLM(cfg)
+    spec = arch_spec(cfg.model_type)
+    quantized = {f"model.layers.{i}.{name}.weight" for i, block in enumerate(model.model.layers)
+                 for name in spec.in_block(block).linears}
+    matmuls = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if cfg.tie_word_embeddings:
+        matmuls.add("model.embed_tokens.weight")
+    expert_share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
+    return [Param(name, tuple(p.shape), name in quantized,
+                  (expert_share if ".experts." in name else 1.0) if name in matmuls else 0.0)
+            for name, p in model.named_parameters()]
 
 
 @dataclass(frozen=True)
@@ -95,45 +141,57 @@ class WeightBytes:
     bits: int
     group_size: int
     naive_bytes: int  # params * bits / 8
-    stored_bytes: int  # codes + group scales/zeros + the rest at fp16 (what a checkpoint and the engine hold)
+    stored_bytes: int  # codes + group scales/zeros + the rest at fp16 (what a checkpoint holds)
+    device_bytes: int  # what one of the tensor-parallel cards holds (= stored_bytes on one card)
+    device_matmul_params: int  # weights one card multiplies per generated token (sum of shape x matmul_share)
 
 
-def weight_bytes(cfg: ModelConfig, quant: str = "fp16", group_size: int = 128) -> WeightBytes:
+def _stored_bytes(shapes: list[tuple[tuple[int, ...], bool]], bits: int, group_size: int) -> int:
+    """Bytes of (shape, quantized) tensors: quantized [N, K] at `bits` per code plus per group one fp16 scale and
+    one zero at `bits`; the rest at fp16."""
+    packed_bits = scale_bytes = 0
+    for shape, quantized in shapes:
+        if quantized and bits < 16:
+            n, k = shape
+            groups = n * (1 if group_size == -1 else math.ceil(k / group_size))
+            packed_bits += (n * k + groups) * bits
+            scale_bytes += 2 * groups
+        else:
+            scale_bytes += 2 * math.prod(shape)
+    return packed_bits // 8 + scale_bytes
+
+
+def weight_bytes(cfg: ModelConfig, quant: str = "fp16", group_size: int = 128, tensor_parallel_size: int = 1
+                 ) -> WeightBytes:
     if quant not in QUANT_BITS:
         raise QuantkitError(f"--quant {quant}: use one of {', '.join(QUANT_BITS)}")
-    bits = QUANT_BITS[quant]
-    h, v, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
-    shapes = linear_shapes(cfg)
-    linear = sum(n * k for _, n, k in shapes) * layers
-    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    biases = layers * ((q_out + 2 * kv_out) * cfg.qkv_bias + h * cfg.o_bias + (2 * cfg.intermediate_size + h) * cfg.mlp_bias)
-    rest = v * h + (0 if cfg.tie_word_embeddings else v * h) + (2 * layers + 1) * h + biases
-    params = linear + rest
-    if bits == 16:
-        stored = 2 * params
-    else:
-        groups = sum(n * (1 if group_size == -1 else math.ceil(k / group_size)) for _, n, k in shapes) * layers
-        stored = linear * bits // 8 + groups * 2 + groups * bits // 8 + 2 * rest
-    return WeightBytes(params, linear, bits, group_size, params * bits // 8, stored)
+    bits, tp = QUANT_BITS[quant], tensor_parallel_size
+    check_tensor_parallel(cfg, tp, group_size if bits < 16 else None)
+    params = model_params(cfg)
+    on_device = [device_shape(p.name, p.shape, cfg, tp) for p in params]
+    total = sum(math.prod(p.shape) for p in params)
+    return WeightBytes(
+        params=total,
+        quantized_params=sum(math.prod(p.shape) for p in params if p.quantized),
+        bits=bits,
+        group_size=group_size,
+        naive_bytes=total * bits // 8,
+        stored_bytes=_stored_bytes([(p.shape, p.quantized) for p in params], bits, group_size),
+        device_bytes=_stored_bytes([(shape, p.quantized) for shape, p in zip(on_device, params)], bits, group_size),
+        device_matmul_params=round(sum(math.prod(shape) * p.matmul_share for shape, p in zip(on_device, params))),
+    )
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Weights multiplied per generated token: the decoder Linears and the lm_head (the embedding is a lookup)."""
-    return sum(n * k for _, n, k in linear_shapes(cfg)) * cfg.num_hidden_layers + cfg.vocab_size * cfg.hidden_size
-
-
-def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int = 2) -> int:
-    """Estimate of the forward pass's live activations for one scheduler step (the engine measures its own):
-    per batched token the residual, normed input, q/k/v, attention output and gate/up/act
-    (4H + 2 * kv_heads * D + 3I values), plus fp32 logits for up to max_num_seqs sampled rows."""
-    per_token = 4 * cfg.hidden_size + 2 * cfg.num_key_value_heads * cfg.head_dim + 3 * cfg.intermediate_size
+def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int = 2,
+                     tensor_parallel_size: int = 1) -> int:
+    """Estimate of one card's live activations for one scheduler step (the engine measures its own): per batched
+    token the residual, normed input, q, k/v, attention output and gate/up/act, 4H + 2 * kv_heads * D + 3I values
+    with kv_heads and I per card (q and the attention output kept at H: an upper bound under tensor parallelism),
+    plus fp32 logits for up to max_num_seqs sampled rows (gathered whole on the first card)."""
+    tp = tensor_parallel_size
+    kv = kv_heads_per_device(cfg.num_key_value_heads, tp)
+    per_token = 4 * cfg.hidden_size + 2 * kv * cfg.head_dim + 3 * cfg.intermediate_size // tp
     return max_num_batched_tokens * per_token * dtype_bytes + max_num_seqs * cfg.vocab_size * 4
-
-
-def kv_capacity(cfg: ModelConfig, kv_budget_bytes: int, block_size: int, kv_dtype_bytes: int) -> tuple[int, int]:
-    """(blocks, tokens) the engine allocates for `kv_budget_bytes` of KV memory."""
-    blocks = num_kv_blocks(kv_budget_bytes, block_size, kv_bytes_per_token(cfg, kv_dtype_bytes))
-    return blocks, blocks * block_size
 
 
 def max_concurrency(num_blocks: int, block_size: int, seq_len: int) -> int:
@@ -141,10 +199,13 @@ def max_concurrency(num_blocks: int, block_size: int, seq_len: int) -> int:
     return num_blocks // math.ceil(seq_len / block_size) if seq_len > 0 else 0
 
 
-def roofline_step_s(weights: int, kv_per_token: int, cfg: ModelConfig, gpu: Gpu, batch: int, context: float) -> float:
-    """Seconds per decode step for `batch` sequences of mean `context` tokens: the slower of memory and compute."""
+def roofline_step_s(weights: int, kv_per_token: int, matmul_params: int, attention_width: int, gpu: Gpu, batch: int,
+                    context: float) -> float:
+    """Seconds per decode step on one card for `batch` sequences of mean `context` tokens: the slower of memory and
+    compute. Per card: `weights` bytes, `kv_per_token` bytes, `matmul_params` multiplied per token, attention_width
+    = layers x query heads x head_dim (q.k and p.v: 4 flops per width per context token)."""
     memory_s = (weights + batch * context * kv_per_token) / (gpu.bandwidth_gbs * GB)
-    flops = batch * (2 * matmul_params(cfg) + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context)
+    flops = batch * (2 * matmul_params + 4 * attention_width * context)
     return max(memory_s, flops / (gpu.tflops * 1e12))
 
 
@@ -176,28 +237,37 @@ def make_plan(
     kv_cache_bytes: Optional[int] = None,
     workload: Optional[tuple[str, list[tuple[int, int]]]] = None,
     price_per_hour: Optional[float] = None,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
-    """The plan as a dict (all sizes in bytes). `workload` = (name, [(prompt tokens, output tokens), ...]).
-    kv_cache_bytes: a fixed KV pool (as the engine's kv_cache_memory) instead of memory - weights - activations."""
+    """The plan as a dict (all sizes in bytes, one card's: weights, KV per token, budget, blocks; the whole model's
+    only in model_weights_bytes and weights_naive_bytes). `workload` = (name, [(prompt tokens, output tokens), ...]).
+    kv_cache_bytes: a fixed KV pool per card (as the engine's kv_cache_memory) instead of memory - weights -
+    activations. price_per_hour: of one card (the deployment costs tensor_parallel_size times it)."""
     if not 0 < memory_fraction <= 1:
         raise QuantkitError(f"--memory-fraction {memory_fraction}: must be in (0, 1]")
     if kv_cache_dtype not in KV_DTYPE_BYTES:
         raise QuantkitError(f"--kv-cache-dtype {kv_cache_dtype}: use one of {', '.join(KV_DTYPE_BYTES)}")
     max_len = max_model_len or cfg.max_position_embeddings
-    w = weight_bytes(cfg, quant, group_size)
-    kv_tok = kv_bytes_per_token(cfg, KV_DTYPE_BYTES[kv_cache_dtype])
-    act = round(activation_gb * GB) if activation_gb is not None else activation_bytes(cfg, max_num_batched_tokens, max_num_seqs)
+    tp = tensor_parallel_size
+    w = weight_bytes(cfg, quant, group_size, tp)
+    kv_tok = kv_bytes_per_token(cfg, KV_DTYPE_BYTES[kv_cache_dtype], tp)
+    act = round(activation_gb * GB) if activation_gb is not None else activation_bytes(
+        cfg, max_num_batched_tokens, max_num_seqs, tensor_parallel_size=tp)
     usable = round(gpu.memory_gb * GB * memory_fraction)
-    kv_budget = kv_cache_bytes if kv_cache_bytes is not None else usable - w.stored_bytes - act
-    blocks, tokens = kv_capacity(cfg, kv_budget, block_size, KV_DTYPE_BYTES[kv_cache_dtype]) if kv_budget > 0 else (0, 0)
+    kv_budget = kv_cache_bytes if kv_cache_bytes is not None else usable - w.device_bytes - act
+    blocks = num_kv_blocks(kv_budget, block_size, kv_tok)
     plan: dict[str, Any] = {
         "gpu": vars(gpu),
+        "tensor_parallel_size": tp,
         "quant": quant,
         "group_size": group_size if quant != "fp16" else None,
         "params": w.params,
         "quantized_params": w.quantized_params,
         "weights_naive_bytes": w.naive_bytes,
-        "weights_bytes": w.stored_bytes,
+        "model_weights_bytes": w.stored_bytes,
+        "weights_bytes": w.device_bytes,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "kv_heads_per_device": kv_heads_per_device(cfg.num_key_value_heads, tp),
         "kv_bytes_per_token": kv_tok,
         "usable_bytes": usable,
         "memory_fraction": memory_fraction,
@@ -206,7 +276,7 @@ def make_plan(
         "kv_budget_fixed": kv_cache_bytes is not None,
         "block_size": block_size,
         "kv_blocks": blocks,
-        "kv_tokens": tokens,
+        "kv_tokens": blocks * block_size,
         "max_model_len": max_len,
         "kv_bytes_per_seq_at_max_len": kv_tok * max_len,
         "max_concurrency_at_max_len": max_concurrency(blocks, block_size, max_len),
@@ -230,11 +300,12 @@ def make_plan(
         }
     plan["decode_context_tokens"] = context
     rows = []
+    attention_width = cfg.num_hidden_layers * cfg.num_attention_heads // tp * cfg.head_dim
     for b in batch_sizes(min(limit, max_num_seqs)):
-        step = roofline_step_s(w.stored_bytes, kv_tok, cfg, gpu, b, context)
+        step = roofline_step_s(w.device_bytes, kv_tok, w.device_matmul_params, attention_width, gpu, b, context)
         row = {"batch": b, "step_ms": step * 1000, "per_user_tps": 1 / step, "aggregate_tps": b / step}
         if price_per_hour is not None:
-            row["usd_per_million_tokens"] = cost_per_million(price_per_hour, b / step)
+            row["usd_per_million_tokens"] = cost_per_million(price_per_hour * tp, b / step)
         rows.append(row)
     plan["roofline"] = rows
     plan["price_per_hour"] = price_per_hour
@@ -242,20 +313,25 @@ def make_plan(
 
 
 def format_plan(plan: dict[str, Any], model_name: str) -> str:
-    gpu = plan["gpu"]
+    gpu, tp = plan["gpu"], plan["tensor_parallel_size"]
+    per = " per card" if tp > 1 else ""
     gb = lambda n: f"{n / GB:.2f} GB"  # noqa: E731
     quant = plan["quant"] + (f" (group {plan['group_size']})" if plan["group_size"] else "")
+    kv, kv_card = plan["num_key_value_heads"], plan["kv_heads_per_device"]
+    heads = "" if tp == 1 else f"; {kv_card} of {kv} KV heads per card" + (
+        f", each head on {tp // kv} cards" if kv < tp else "")
+    cards, each = (f" x {tp}, tensor parallel", " each") if tp > 1 else ("", "")
+    weights = gb(plan["weights_bytes"]) + (f" per card, {gb(plan['model_weights_bytes'])} in all" if tp > 1 else "")
     lines = [
         f"model {model_name}: {plan['params'] / 1e9:.3f} B parameters ({plan['quantized_params'] / 1e9:.3f} B in quantizable Linears)",
-        f"card {gpu['name']}: {gpu['memory_gb']:g} GB, {gpu['bandwidth_gbs']:g} GB/s, {gpu['tflops']:g} TFLOP/s",
-        f"weights {quant}: {gb(plan['weights_bytes'])} as stored "
-        f"(every parameter at bits/8 would be {gb(plan['weights_naive_bytes'])})",
-        f"KV cache per token: {plan['kv_bytes_per_token']} bytes ({plan['kv_bytes_per_token'] / 1e6:.3f} MB)",
-        f"KV pool fixed at {gb(plan['kv_budget_bytes'])} (--kv-cache-gb)" if plan["kv_budget_fixed"] else
-        f"memory: {gb(plan['usable_bytes'])} usable at fraction {plan['memory_fraction']:g} - weights "
+        f"card {gpu['name']}{cards}: {gpu['memory_gb']:g} GB, {gpu['bandwidth_gbs']:g} GB/s, {gpu['tflops']:g} TFLOP/s{each}",
+        f"weights {quant}: {weights} as stored (every parameter at bits/8 would be {gb(plan['weights_naive_bytes'])})",
+        f"KV cache per token{per}: {plan['kv_bytes_per_token']} bytes ({plan['kv_bytes_per_token'] / 1e6:.3f} MB{heads})",
+        f"KV pool fixed at {gb(plan['kv_budget_bytes'])}{per} (--kv-cache-gb)" if plan["kv_budget_fixed"] else
+        f"memory{per}: {gb(plan['usable_bytes'])} usable at fraction {plan['memory_fraction']:g} - weights "
         f"- {gb(plan['activation_bytes'])} activations = {gb(plan['kv_budget_bytes'])} for KV",
-        f"KV capacity: {plan['kv_blocks']} blocks of {plan['block_size']} = {plan['kv_tokens']} tokens",
-        f"KV of one sequence at max_model_len {plan['max_model_len']}: {gb(plan['kv_bytes_per_seq_at_max_len'])}; "
+        f"KV capacity{per}: {plan['kv_blocks']} blocks of {plan['block_size']} = {plan['kv_tokens']} tokens",
+        f"KV of one sequence at max_model_len {plan['max_model_len']}: {gb(plan['kv_bytes_per_seq_at_max_len'])}{per}; "
         f"max concurrency there: {plan['max_concurrency_at_max_len']}",
     ]
     if "workload" in plan:
@@ -266,11 +342,13 @@ def format_plan(plan: dict[str, Any], model_name: str) -> str:
             f"{wl['mean_total_tokens']:.0f}: {wl['max_concurrency_at_mean_len']}"
         )
     if plan["kv_budget_bytes"] <= 0:
-        lines.append("does not fit: weights and activations exceed the usable memory (quantize, or a bigger card)")
+        lines.append("does not fit: weights and activations exceed the usable memory (quantize, a bigger card, or "
+                     "more cards with --tensor-parallel-size)")
         return "\n".join(lines)
     price = plan["price_per_hour"]
     lines.append(f"roofline decode at mean context {plan['decode_context_tokens']:.0f} tokens"
-                 + (f", at ${price:g}/hour" if price is not None else "") + ":")
+                 + (f", at ${price:g}/hour" + (f" per card x {tp}" if tp > 1 else "") if price is not None else "")
+                 + (" (one card's share; all-reduce time not modelled)" if tp > 1 else "") + ":")
     header = f"{'batch':>6} {'step ms':>9} {'tok/s/user':>11} {'tok/s total':>12}" + ("  $/M tokens" if price is not None else "")
     lines.append(header)
     for r in plan["roofline"]:

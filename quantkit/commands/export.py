@@ -16,5 +16,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Rewrite a checkpoint in another layout from the same integer codes, without recalibrating."""
         from quantkit.export import export as export_folder
+        from quantkit.formats.compatibility import written_note
 
-        typer.echo(f"wrote {export_folder(folder, format, out)} ({format})")
+        written = export_folder(folder, format, out)
+        typer.echo(f"wrote {written} ({format})")
+        typer.echo(written_note(written))

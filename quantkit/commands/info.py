@@ -1,4 +1,5 @@
-"""`quantkit info DIR`: what a quantized checkpoint holds (scheme, layout, per-layer table, sizes, provenance)."""
+"""`quantkit info DIR`: what a quantized checkpoint holds (scheme, layout, per-layer table, sizes, provenance) and
+which runtimes load it (the rules of quantkit/formats/compatibility.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def register(app: typer.Typer) -> None:
 
 
 def info(folder: Path = typer.Argument(..., help="A quantized checkpoint folder (quantkit, GPTQ, AWQ or compressed-tensors)")) -> None:
-    """Scheme, layout, per-layer bits and group size, size on disk and bytes saved vs FP16 (checksums verified)."""
+    """Scheme, layout, per-layer bits and group size, size on disk and bytes saved vs FP16 (checksums verified), and
+    whether vLLM, transformers, TGI and SGLang load it."""
     from rich.console import Console
     from rich.table import Table
 
@@ -47,6 +49,30 @@ def info(folder: Path = typer.Argument(..., help="A quantized checkpoint folder 
         for key, value in q.meta.items():
             if key not in _META_SHOWN_ELSEWHERE:
                 console.print(f"{key:<14} {_short(value)}", markup=False)
+    for line in runtime_lines(q):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def checkpoints(q) -> list:
+    """The compatibility facts of a read folder, one per distinct scheme among its Linears (quantkit writes one)."""
+    from quantkit.formats.compatibility import Checkpoint
+
+    moe = any(".experts." in name for name in q.qlinears)
+    facts = {Checkpoint(q.layout, qt.bits, qt.group_size, qt.sym, qt.g_idx is not None, moe)
+             for qt, _ in q.qlinears.values()}
+    return sorted(facts, key=lambda ck: (ck.bits, ck.group_size, ck.sym, ck.act_order))
+
+
+def runtime_lines(q) -> list[str]:
+    """Per scheme a header and one line per runtime: name, yes / no / unknown, the reason, [its source]."""
+    from quantkit.formats.compatibility import compatibility, describe
+
+    lines = []
+    for ck in checkpoints(q):
+        lines.append(f"runtimes       {ck.layout} {describe(ck)} (rules: quantkit/formats/compatibility.py)")
+        for v in compatibility(ck):
+            lines.append(f"  {v.runtime:<13} {v.verdict:<8} {v.reason}" + (f" [{v.source}]" if v.source else ""))
+    return lines
 
 
 def checkpoint_summary(folder: Path, q) -> dict:

@@ -14,6 +14,7 @@ def register(app: typer.Typer) -> None:
     def plan(
         model: Optional[str] = typer.Argument(None, help="model folder, .gguf or cached Hub id (default: bundled)"),
         gpu: Optional[str] = typer.Option(None, "--gpu", help="h100-80gb | h200 | a100-80gb | a100-40gb | l4 | a10g | rtx-4090 (default h100-80gb unless a custom card is given)"),
+        tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="cards the model is split over (tensor parallel): weights, KV and capacity per card"),
         memory_gb: Optional[float] = typer.Option(None, "--memory-gb", help="card memory (GB) for a custom card"),
         bandwidth_gbs: Optional[float] = typer.Option(None, "--bandwidth-gbs", help="memory bandwidth (GB/s)"),
         tflops: Optional[float] = typer.Option(None, "--tflops", help="dense fp16 peak (TFLOP/s)"),
@@ -29,11 +30,12 @@ def register(app: typer.Typer) -> None:
         kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="fixed KV pool instead of memory - weights - activations"),
         workload: Optional[str] = typer.Option(None, "--workload", help="sharegpt | alpacaeval | sonnet | azure-conv | azure-code | FILE"),
         max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="output tokens per request of the workload"),
-        price_per_hour: Optional[float] = typer.Option(None, "--price-per-hour", help="card price in $/hour"),
+        price_per_hour: Optional[float] = typer.Option(None, "--price-per-hour", help="price of one card in $/hour"),
         data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="also write the plan as JSON"),
     ) -> None:
-        """Weights, KV per token, KV capacity, max concurrency, roofline decode tok/s and $ per million tokens."""
+        """Weights, KV per token, KV capacity, max concurrency, roofline decode tok/s and $ per million tokens (per card
+        under --tensor-parallel-size)."""
         from quantkit.benchmark.datasets import workload_lengths
         from quantkit.atomic import write_json
         from quantkit.benchmark.plan import format_plan, gpu_from_args, make_plan, quant_of_folder
@@ -55,7 +57,7 @@ def register(app: typer.Typer) -> None:
             memory_fraction=memory_fraction, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, activation_gb=activation_gb,
             kv_cache_bytes=round(kv_cache_gb * 1e9) if kv_cache_gb is not None else None, workload=lengths,
-            price_per_hour=price_per_hour,
+            price_per_hour=price_per_hour, tensor_parallel_size=tensor_parallel_size,
         )
         typer.echo(format_plan(result, name))
         if json_out is not None:

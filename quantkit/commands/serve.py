@@ -32,6 +32,9 @@ def serve(
                                                help="Reuse KV blocks of shared prompt prefixes"),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16"),
     seed: int = typer.Option(0, help="Seed of the engine generator (requests may bring their own)"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp",
+                                             help="Processes (devices) the model is split over: rank 0 runs the "
+                                                  "engine, N - 1 workers hold the other shards"),
     speculative_model: Optional[str] = typer.Option(None, help="Draft model for speculative decoding (same "
                                                                "tokenizer), e.g. the W4 checkpoint of MODEL"),
     speculative_method: Optional[str] = typer.Option(None, help="ngram (prompt lookup, no model) or draft "
@@ -42,13 +45,22 @@ def serve(
                    "method, 8 for ngram, 1 for a draft model)"),
     ngram_prompt_lookup_max: int = typer.Option(4, help="Longest n-gram matched by --speculative-method ngram"),
     ngram_prompt_lookup_min: int = typer.Option(2, help="Shortest n-gram matched by --speculative-method ngram"),
+    batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
+                                         help="bf16 on CPU: greedy output independent of batching, cached prefixes, "
+                                              "chunking and speculation (bf16 weights; W4/W8 layers are not)"),
     max_request_bytes: int = typer.Option(4 << 20, help="Largest request body, in bytes: a larger one is refused "
                                                          "with a 413 before it is parsed"),
     shutdown_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get to finish after SIGTERM "
                                                       "(new ones get a 503); the rest are then aborted"),
+    pooling: str = typer.Option("last", help="/v1/embeddings: pool the final hidden states of an input's last "
+                                             "token (vLLM's default for a causal LM), their mean, or the first's "
+                                             "(last, mean or cls)"),
+    metrics_prefix: str = typer.Option("quantkit", help="/metrics names: quantkit, or vllm (vLLM's names, labels "
+                                                        "and buckets, for its dashboards)"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
 ) -> None:
-    """Serve a model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics, ...)."""
+    """Serve a model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/embeddings,
+    /metrics, ...)."""
     from quantkit.serve.cpu_threads import wait_policy_env
 
     wait_policy_env()  # a bounded OpenMP spin-wait, before torch loads here and in the engine process (inherited)
@@ -62,10 +74,13 @@ def serve(
         speculative_method=speculative_method, num_speculative_tokens=num_speculative_tokens,
         speculative_disable_by_batch_size=speculative_disable_by_batch_size,
         ngram_prompt_lookup_max=ngram_prompt_lookup_max, ngram_prompt_lookup_min=ngram_prompt_lookup_min,
+        pooling=pooling,
+        batch_invariant=batch_invariant, tensor_parallel_size=tensor_parallel_size,
     )
     options = ServerOptions(
         model=model, host=host, port=port, served_model_name=served_model_name,
         api_key=api_key or os.environ.get("QUANTKIT_API_KEY") or None, chat_template=chat_template,
         log_level=log_level, max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
+        metrics_prefix=metrics_prefix,
     )
     raise typer.Exit(run_server(options, engine_config))

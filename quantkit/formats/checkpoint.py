@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,8 @@ from quantkit.config import LAYOUTS, QuantScheme
 from quantkit.atomic import set_plain_mode, temp_dir_beside
 from quantkit.errors import QuantkitError
 from quantkit.files import read_json, read_safetensors
-from quantkit.formats import awq, compressed_tensors, gptq
+from quantkit.formats import awq, compressed_tensors, fused, gptq
+from quantkit.formats.safetensors_stream import Stored, write_safetensors
 from quantkit.quant.qlinear import QLinear
 from quantkit.quant.scheme import QTensor
 
@@ -77,12 +77,16 @@ def base_dtype(hf_config: dict) -> torch.dtype:
 
 
 def save_checkpoint(out_dir, model: nn.Module, hf_config: dict, tokenizer, layout: str, meta: dict,
-                    max_shard_bytes: int = MAX_SHARD_BYTES, generation_config: Optional[dict] = None) -> Path:
+                    max_shard_bytes: int = MAX_SHARD_BYTES, generation_config: Optional[dict] = None,
+                    tensors: Optional[dict[str, Stored]] = None) -> Path:
     """Write `model` (QLinear modules + float tensors) as a checkpoint folder at `out_dir`, atomically.
 
     meta: JSON-serialisable facts for quantkit.json (method, calibration stats, per-layer report, ...); an optional
     meta["scheme"]["static_groups"] and meta["damp_percent"] go into the GPTQ quantization_config.
     generation_config: generation_config.json contents (default: bos/eos/pad token ids from hf_config).
+    tensors: the checkpoint's tensors streamed from elsewhere (calibration in bounded memory, quant/bounded.py),
+    exactly what `checkpoint_tensors(model, ...)` gives; `model` then only supplies the structure (its QLinears may
+    be on the meta device). Default: `checkpoint_tensors` of the model in memory.
     """
     if layout not in LAYOUTS:
         raise QuantkitError(f"--format {layout!r} is not a layout: use one of {', '.join(LAYOUTS)}")
@@ -90,16 +94,16 @@ def save_checkpoint(out_dir, model: nn.Module, hf_config: dict, tokenizer, layou
     qlinears = qlinear_modules(model)
     if not qlinears:
         raise QuantkitError("the model has no quantized (QLinear) modules to save: quantize it first")
-    scheme = _uniform_scheme(qlinears, layout, (meta.get("scheme") or {}).get("static_groups", False))
+    scheme, per_module = _schemes(qlinears, layout, (meta.get("scheme") or {}).get("static_groups", False))
     dtype = base_dtype(hf_config)
     skipped = sorted(name for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head")
-    tensors = _quantized_tensors(qlinears, layout, dtype)
-    tensors.update(_float_tensors(model, qlinears, hf_config, dtype))
+    if tensors is None:
+        tensors = {k: Stored.of(t) for k, t in checkpoint_tensors(model, hf_config, layout, dtype).items()}
 
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     config.setdefault("torch_dtype", str(dtype).replace("torch.", ""))
     config["quantization_config"] = quantization_config(scheme, layout, config.get("model_type", "llama"), skipped,
-                                                        meta.get("damp_percent"))
+                                                        meta.get("damp_percent"), per_module)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir_beside(out)
@@ -129,26 +133,41 @@ def save_checkpoint(out_dir, model: nn.Module, hf_config: dict, tokenizer, layou
 
 
 def quantization_config(scheme: QuantScheme, layout: str, model_type: str, skipped: list[str],
-                        damp_percent: Optional[float] = None) -> dict:
-    """config.json quantization_config for `layout` (FORMATS.md); `skipped` Linears stay unquantized."""
+                        damp_percent: Optional[float] = None,
+                        per_module: Optional[dict[str, QuantScheme]] = None) -> dict:
+    """config.json quantization_config for `layout` (FORMATS.md); `skipped` Linears stay unquantized. per_module:
+    each QLinear's scheme when they differ (`scheme` is then the most common one): GPTQ `dynamic` overrides or
+    compressed-tensors config groups."""
     if layout in ("gptq", "gptq_v2"):
-        return gptq.quantization_config(scheme, layout, model_type, skipped, damp_percent)
+        return gptq.quantization_config(scheme, layout, model_type, skipped, damp_percent, per_module)
     if layout == "awq":
         return awq.quantization_config(scheme, skipped)
-    return compressed_tensors.quantization_config(scheme, skipped)
+    return compressed_tensors.quantization_config(scheme, skipped, per_module)
 
 
-def _uniform_scheme(qlinears: dict[str, QLinear], layout: str, static_groups: bool) -> QuantScheme:
-    """The one scheme every QLinear shares (a quantization_config describes one); act_order if any has g_idx."""
-    first_name, first = next(iter(qlinears.items()))
-    for name, m in qlinears.items():
-        if (m.bits, m.group_size, m.sym) != (first.bits, first.group_size, first.sym):
+def _schemes(qlinears: dict[str, QLinear], layout: str, static_groups: bool
+             ) -> tuple[QuantScheme, Optional[dict[str, QuantScheme]]]:
+    """(the scheme most QLinears have, {module: scheme} when their bits or group sizes differ else None); act_order
+    if any has g_idx. Symmetry is one per checkpoint; AWQ holds one scheme."""
+    act_order = any(m.g_idx is not None for m in qlinears.values()) or static_groups
+    per_module = {name: QuantScheme(m.bits, m.group_size, m.sym, act_order, static_groups)
+                  for name, m in qlinears.items()}
+    counts: dict[QuantScheme, int] = {}
+    for s in per_module.values():
+        counts[s] = counts.get(s, 0) + 1
+    base = max(counts, key=counts.get)  # ties: the first in module order
+    if len(counts) == 1:
+        return base, None
+    first_name, first = next(iter(per_module.items()))
+    for name, s in per_module.items():
+        if layout == "awq" or s.sym != first.sym:
             raise QuantkitError(
                 f"layers {first_name} ({first.bits}-bit g{first.group_size} sym={first.sym}) and {name} "
-                f"({m.bits}-bit g{m.group_size} sym={m.sym}) differ: a {layout} checkpoint holds one scheme"
+                f"({s.bits}-bit g{s.group_size} sym={s.sym}) differ: a {layout} checkpoint holds one "
+                f"{'scheme' if layout == 'awq' else 'symmetry'}"
+                + (" (write a mix of bits and group sizes as gptq, gptq_v2 or compressed-tensors)" if layout == "awq" else "")
             )
-    act_order = any(m.g_idx is not None for m in qlinears.values()) or static_groups
-    return QuantScheme(first.bits, first.group_size, first.sym, act_order, static_groups)
+    return base, per_module
 
 
 def _scheme_dict(scheme: QuantScheme) -> dict:
@@ -156,13 +175,26 @@ def _scheme_dict(scheme: QuantScheme) -> dict:
             "act_order": scheme.act_order, "static_groups": scheme.static_groups, "name": scheme.name()}
 
 
-def _quantized_tensors(qlinears: dict[str, QLinear], layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(module: nn.Module, hf_config: dict, layout: str, dtype: torch.dtype, prefix: str = ""
+                       ) -> dict[str, torch.Tensor]:
+    """The tensors `module` contributes to the checkpoint, named `prefix` + its state-dict names: the QLinears in
+    `layout` (fused where the family's checkpoints fuse them), the other tensors in `dtype`. module: the model, or
+    one decoder block with prefix "model.layers.<i>." (a block's tensors do not depend on the rest of the model)."""
+    qlinears = qlinear_modules(module)
+    entries = {prefix + name: (m.qtensor().to("cpu"), m.bias) for name, m in qlinears.items()}
+    tensors = _quantized_tensors(fused.fuse(hf_config.get("model_type", "llama"), entries), layout, dtype)
+    tensors.update({prefix + k: t for k, t in _float_tensors(module, qlinears, hf_config, dtype).items()})
+    return tensors
+
+
+def _quantized_tensors(entries: dict[str, fused.Entry], layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """{checkpoint module name: (QTensor, bias)} -> its tensors in `layout` (bias in the base dtype)."""
     out = {}
-    for name, m in qlinears.items():
-        parts = _LAYOUTS[layout].write(m.qtensor().to("cpu"), name)
+    for name, (qt, bias) in entries.items():
+        parts = _LAYOUTS[layout].write(qt, name)
         out.update({f"{name}.{suffix}": t.contiguous() for suffix, t in parts.items()})
-        if m.bias is not None:
-            out[f"{name}.bias"] = m.bias.detach().to("cpu", dtype).contiguous()
+        if bias is not None:
+            out[f"{name}.bias"] = bias.detach().to("cpu", dtype).contiguous()
     return out
 
 
@@ -179,37 +211,25 @@ def _float_tensors(model: nn.Module, qlinears: dict[str, QLinear], hf_config: di
     return out
 
 
-def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' save_file, its I/O failures (a Rust error type) raised as the OSError they are."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    try:
-        save_file(tensors, str(path), metadata={"format": "pt"})
-    except SafetensorError as e:
-        code = re.search(r"os error (\d+)", str(e))
-        raise OSError(int(code[1]), os.strerror(int(code[1]))) if code else OSError(str(e)) from None
-
-
-def _write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
-    """model.safetensors, or model-0000i-of-0000n.safetensors + index when the total exceeds max_shard_bytes."""
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    total = sum(nbytes(t) for t in tensors.values())
+def _write_safetensors(folder: Path, tensors: dict[str, Stored], max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when the total exceeds max_shard_bytes; each
+    tensor is produced only when its file reaches it (formats/safetensors_stream.py: save_file's bytes)."""
+    total = sum(t.nbytes for t in tensors.values())
     if total <= max_shard_bytes:
-        _save_file(tensors, folder / "model.safetensors")
+        write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
         return
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[dict[str, Stored]] = [{}]
     size = 0
     for name in sorted(tensors):  # greedy, in name order; a tensor larger than the limit gets a shard of its own
-        if shards[-1] and size + nbytes(tensors[name]) > max_shard_bytes:
+        if shards[-1] and size + tensors[name].nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = tensors[name]
-        size += nbytes(tensors[name])
+        size += tensors[name].nbytes
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _save_file(shard, folder / fname)
+        write_safetensors(folder / fname, shard, {"format": "pt"})
         weight_map.update({name: fname for name in shard})
     _write_json(folder / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
@@ -278,7 +298,7 @@ def read_quantized(folder) -> QuantizedFolder:
     for module in modules:
         parts = {s: tensors.pop(f"{module}.{s}") for s in spec.suffixes if f"{module}.{s}" in tensors}
         qlinears[module] = (spec.read(parts, qcfg, module), tensors.pop(f"{module}.bias", None))
-    return QuantizedFolder(hf_config, tensors, qlinears, meta, layout)
+    return QuantizedFolder(hf_config, tensors, fused.split(hf_config, qlinears), meta, layout)
 
 
 def detect_layout(qcfg: dict, folder: Path) -> str:

@@ -17,6 +17,7 @@ fitted to (readers cast it to the model dtype on load).
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
 
@@ -91,27 +92,18 @@ def weight_args(qcfg: dict, module: str) -> dict:
     raise QuantkitError(f"layer {module}: no config_groups entry of config.json quantization_config targets it")
 
 
-def quantization_config(scheme: QuantScheme, skipped: list[str]) -> dict:
-    """config.json quantization_config for a pack-quantized checkpoint (what llm-compressor writes, vLLM reads)."""
-    return {
+def quantization_config(scheme: QuantScheme, skipped: list[str],
+                        per_module: Optional[dict[str, QuantScheme]] = None) -> dict:
+    """config.json quantization_config for a pack-quantized checkpoint (what llm-compressor writes, vLLM reads).
+    per_module (a mix of schemes): every quantized module's scheme, one config group per scheme (`mixed_groups`)."""
+    cfg = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {
-                    "num_bits": scheme.bits,
-                    "type": "int",
-                    "symmetric": scheme.sym,
-                    "strategy": "channel" if scheme.group_size == -1 else "group",
-                    "group_size": None if scheme.group_size == -1 else scheme.group_size,
-                    "actorder": "weight" if scheme.act_order else None,  # only static groups reach here
-                    "dynamic": False,
-                    "observer": "minmax",
-                    "observer_kwargs": {},
-                    "block_structure": None,
-                },
+                "weights": _weights_args(scheme),
                 "input_activations": None,
                 "output_activations": None,
             }
@@ -121,4 +113,38 @@ def quantization_config(scheme: QuantScheme, skipped: list[str]) -> dict:
         "global_compression_ratio": None,
         "sparsity_config": {},
         "version": FORMAT_VERSION,
+    }
+    if per_module is not None:
+        cfg["config_groups"] = mixed_groups(per_module)
+    return cfg
+
+
+def mixed_groups(per_module: dict[str, QuantScheme]) -> dict[str, dict]:
+    """One config group per scheme (in bits, group size order), its `targets` "re:" patterns naming exactly its
+    modules (and vLLM's fused qkv_proj / gate_up_proj when all their parts are in it: formats/module_patterns.py).
+    No "Linear" target: some vLLM versions match a module's class name before its fused parts' names, so a
+    catch-all group would claim every qkv_proj."""
+    from quantkit.formats.module_patterns import module_patterns
+
+    by_scheme: dict[QuantScheme, list[str]] = {}
+    for module, s in per_module.items():
+        by_scheme.setdefault(s, []).append(module)
+    ordered = sorted(by_scheme.items(), key=lambda item: (item[0].bits, item[0].group_size))
+    return {f"group_{i}": {"targets": [f"re:{p}" for p in module_patterns(modules)], "weights": _weights_args(s),
+                           "input_activations": None, "output_activations": None}
+            for i, (s, modules) in enumerate(ordered)}
+
+
+def _weights_args(scheme: QuantScheme) -> dict:
+    return {
+        "num_bits": scheme.bits,
+        "type": "int",
+        "symmetric": scheme.sym,
+        "strategy": "channel" if scheme.group_size == -1 else "group",
+        "group_size": None if scheme.group_size == -1 else scheme.group_size,
+        "actorder": "weight" if scheme.act_order else None,  # only static groups reach here
+        "dynamic": False,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "block_structure": None,
     }

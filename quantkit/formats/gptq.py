@@ -18,6 +18,7 @@ import torch
 
 from quantkit.config import QuantScheme
 from quantkit.errors import QuantkitError
+from quantkit.formats.fused import on_disk_name
 from quantkit.quant.scheme import QTensor, canonical_g_idx, num_groups, pack, unpack
 
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
@@ -47,6 +48,7 @@ def linear_tensors(qt: QTensor, module: str, v1: bool) -> dict[str, torch.Tensor
 
 def read_linear(t: dict[str, torch.Tensor], qcfg: dict, module: str) -> QTensor:
     """{suffix: tensor} of one Linear + quantization_config -> QTensor (v1 or v2 by checkpoint_format)."""
+    qcfg = module_config(qcfg, module)
     bits, group_size, v1 = _bits(qcfg), int(qcfg.get("group_size", -1)), checkpoint_format(qcfg) == "gptq"
     for suffix in ("qweight", "qzeros", "scales"):
         if suffix not in t:
@@ -68,6 +70,22 @@ def read_linear(t: dict[str, torch.Tensor], qcfg: dict, module: str) -> QTensor:
                    bool(qcfg.get("sym", True)))
 
 
+def module_config(qcfg: dict, module: str) -> dict:
+    """quantization_config with `module`'s `dynamic` override applied (GPTQModel's rule, which vLLM follows: the first
+    key whose regex re.match-es the name; "+:" or no prefix overrides bits / group_size / sym / desc_act, "-:" leaves
+    the module unquantized)."""
+    for key, override in (qcfg.get("dynamic") or {}).items():
+        negative = key.startswith("-:")
+        if not re.match(key[2:] if key.startswith(("-:", "+:")) else key, module):
+            continue
+        if negative:
+            raise QuantkitError(f"layer {module}: config.json quantization_config.dynamic {key!r} marks it "
+                                f"unquantized, but the checkpoint holds {module}.qweight")
+        keys = ("bits", "group_size", "sym", "desc_act")
+        return {**qcfg, **{k: override[k] for k in keys if k in (override or {})}}
+    return qcfg
+
+
 def checkpoint_format(qcfg: dict) -> str:
     fmt = qcfg.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
@@ -83,8 +101,11 @@ def _bits(qcfg: dict) -> int:
 
 
 def quantization_config(scheme: QuantScheme, layout: str, model_type: str, skipped: list[str],
-                        damp_percent: Optional[float] = None) -> dict:
-    """config.json quantization_config for a GPTQ checkpoint (keys vLLM's gptq/gptq_marlin and GPTQModel read)."""
+                        damp_percent: Optional[float] = None,
+                        per_module: Optional[dict[str, QuantScheme]] = None) -> dict:
+    """config.json quantization_config for a GPTQ checkpoint (keys vLLM's gptq/gptq_marlin and GPTQModel read).
+    per_module (a mix of schemes): every quantized module's scheme; `scheme` is the top-level one and the others
+    are `dynamic` overrides (`mixed_dynamic`)."""
     from quantkit import __version__
     from quantkit.models.registry import arch_spec
 
@@ -99,20 +120,40 @@ def quantization_config(scheme: QuantScheme, layout: str, model_type: str, skipp
         "true_sequential": True,
         "lm_head": False,
         "pack_dtype": "int32",
-        "modules_in_block_to_quantize": modules_in_block(arch_spec(model_type).sequential),
+        "modules_in_block_to_quantize": modules_in_block(arch_spec(model_type).sequential, model_type),
         "meta": {"quantizer": [f"quantkit:{__version__}"]},
     }
     if damp_percent is not None:
         cfg["damp_percent"] = damp_percent
-    if skipped:  # GPTQModel/vLLM per-module override: "-:" = leave this module unquantized
+    if per_module is not None:
+        cfg["dynamic"] = mixed_dynamic(scheme, per_module, skipped)
+    elif skipped:  # GPTQModel/vLLM per-module override: "-:" = leave this module unquantized
         cfg["dynamic"] = {f"-:^{re.escape(name)}$": {} for name in skipped}
     return cfg
 
 
-def modules_in_block(sequential: tuple[tuple[str, ...], ...]) -> list[list[str]]:
+def mixed_dynamic(base: QuantScheme, per_module: dict[str, QuantScheme], skipped: list[str]) -> dict[str, dict]:
+    """GPTQModel's `dynamic` for a mix: "-:" keys naming the unquantized Linears, then one "+:" key per scheme other
+    than `base` naming its modules (bits and group_size; symmetry and act-order are the checkpoint's). The regexes
+    (formats/module_patterns.py) also match vLLM's fused qkv_proj / gate_up_proj names."""
+    from quantkit.formats.module_patterns import module_patterns
+
+    dynamic: dict[str, dict] = {f"-:{p}": {} for p in module_patterns(skipped)}
+    by_scheme: dict[QuantScheme, list[str]] = {}
+    for module, s in per_module.items():
+        if s != base:
+            by_scheme.setdefault(s, []).append(module)
+    for s, modules in sorted(by_scheme.items(), key=lambda item: (item[0].bits, item[0].group_size)):
+        dynamic.update({f"+:{p}": {"bits": s.bits, "group_size": s.group_size} for p in module_patterns(modules)})
+    return dynamic
+
+
+def modules_in_block(sequential: tuple[tuple[str, ...], ...], model_type: str) -> list[list[str]]:
     """The registry's stages as GPTQ's modules_in_block_to_quantize. Readers match these as suffixes of the module
     names (optimum/transformers: name.endswith), so an expert template `mlp.experts.{e}.gate_proj` is written as its
-    part inside the expert, `gate_proj`, which every expert's name ends with (and no router's: `mlp.gate`)."""
+    part inside the expert, `gate_proj`, which every expert's name ends with (and no router's: `mlp.gate`). Linears
+    stored fused (Phi-3's q/k/v -> qkv_proj, formats/fused.py) are listed under the fused module's name."""
     from quantkit.models.registry import EXPERT
 
-    return [list(dict.fromkeys(name.rpartition(f"{EXPERT}.")[2] for name in stage)) for stage in sequential]
+    return [list(dict.fromkeys(on_disk_name(model_type, name.rpartition(f"{EXPERT}.")[2]) for name in stage))
+            for stage in sequential]

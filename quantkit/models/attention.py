@@ -3,7 +3,7 @@
 Dense (attn=None): causal over the batch's own tokens, with the layer's sliding window and logit soft-cap. Paged: an
 AttentionBackend (the serving engine's KV cache, docs/CONTRACTS.md) does the attending; it reads the same facts from
 `model.attention_specs` (window_mask and masked_attention are shared with it), and `unsupported_by_paged_attention`
-says which of them a backend cannot honour yet.
+says what the paged path cannot serve.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ class Attention(nn.Module):
 
 
 def kernel_servable(spec: AttentionSpec) -> bool:
-    """Whether the paged kernels that attend causally over the whole cache (the C decode / AMX prefill kernels,
-    the Triton ones; any scale) compute this layer: no sliding window, no logit soft-cap."""
+    """Whether the CPU paged kernels that attend causally over the whole cache (the C decode / AMX prefill kernels;
+    any scale) compute this layer: no sliding window, no logit soft-cap. (The Triton kernels take every spec.)"""
     return spec.sliding_window is None and spec.logit_softcap is None
 
 
@@ -131,23 +131,12 @@ def kv_window(specs: list[AttentionSpec]) -> Optional[int]:
     return None if not windows or None in windows else max(windows)
 
 
-def unsupported_by_paged_attention(model, backend: str = "torch") -> Optional[str]:
-    """Why the paged backend `backend` of serve/attention.py cannot run `model`, in one sentence naming the family;
-    None when it can. "torch" (CPU) honours every layer's AttentionSpec (scale, sliding window, logit soft-cap);
-    "triton" (CUDA) takes per-layer scales but not windows or soft-caps. Neither implements longrope (RoPE from
-    `rotary.inv_freq` only)."""
-    cfg = model.config
-    family = f"{model.family.name} ({cfg.model_type})"
-    if backend == "triton":
-        for i, spec in enumerate(model.attention_specs):
-            if spec.sliding_window is not None:
-                return f"{family} attends over a sliding window of {spec.sliding_window} tokens in layer {i}, " \
-                       f"which the Triton paged attention backend does not implement yet: serve it on CPU " \
-                       f"(--device cpu)"
-            if spec.logit_softcap is not None:
-                return f"{family} soft-caps its attention logits at {spec.logit_softcap} (layer {i}), which the " \
-                       f"Triton paged attention backend does not implement yet: serve it on CPU (--device cpu)"
+def unsupported_by_paged_attention(model) -> Optional[str]:
+    """Why the paged path of serve/ cannot run `model`, in one sentence naming the family; None when it can. Both
+    backends honour every layer's AttentionSpec (scale, sliding window, logit soft-cap). K/V are cached rotated, so
+    each position needs one RoPE for a sequence's life: longrope must first be settled for the serving length
+    (RotaryEmbedding.settle, which the serving runner calls)."""
     if any(r.long_inv_freq is not None for r in model.rotaries()):
-        return f"{family} uses longrope, whose frequencies switch with the sequence length, which the paged " \
-               f"attention backends do not implement"
+        return f"{model.family.name} ({model.config.model_type}) uses longrope, whose frequencies switch with the " \
+               f"sequence length, and its RoPE was not settled for a serving length (RotaryEmbedding.settle)"
     return None

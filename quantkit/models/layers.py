@@ -127,7 +127,7 @@ def longrope_attention_factor(scaling: dict) -> float:
 class RotaryEmbedding(nn.Module):
     """cos/sin of the RoPE angles p * inv_freq. Longrope (Phi-3) switches to its long frequencies for a forward whose
     largest position reaches original_max_position_embeddings (as HF does) and scales cos/sin by its attention
-    factor; the paged backends refuse it (models/attention.py), so `inv_freq` is what every other rope uses."""
+    factor, until `settle` fixes one set for serving; `inv_freq` is then the set every position uses."""
 
     def __init__(self, cfg, sliding: bool = False):
         super().__init__()
@@ -139,6 +139,16 @@ class RotaryEmbedding(nn.Module):
         self.long_from = scaling["original_max_position_embeddings"] if longrope else None  # first long position
         self.attention_factor = longrope_attention_factor(scaling) if longrope else 1.0
         self._last = None  # (positions, dtype, inv_freq, (cos, sin)) of the latest call
+
+    def settle(self, max_len: int) -> None:
+        """Fix the frequencies for serving sequences of at most max_len tokens, as vLLM does: longrope takes its long
+        set for every position when max_len > original_max_position_embeddings, else its short set (no sequence
+        reaches the switch). K/V cached at one position then never go stale as the sequence grows. transformers
+        differs on sequences shorter than the switch in a model that allows longer ones: it rotates them with the
+        short set, and once a sequence crosses, its new tokens with the long set beside cached short-set K/V."""
+        if self.long_inv_freq is not None and max_len > self.long_from:
+            self.inv_freq = self.long_inv_freq
+        self.long_inv_freq = None
 
     def frequencies(self, positions: torch.Tensor) -> torch.Tensor:
         """The inv_freq [D/2] for a forward over `positions` (longrope: the long set from long_from on)."""

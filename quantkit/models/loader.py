@@ -4,7 +4,8 @@ Sources, in the order they are recognised:
   None                      the bundled default SmolLM2-135M-Instruct (its GGUF dequantized once into an FP16 folder)
   DIR with quantized config a quantkit / GPTQ / AWQ / compressed-tensors folder (QLinear modules)
   DIR                       a Hugging Face folder (model.safetensors or a sharded index)
-  FILE.gguf                 any Llama-family GGUF (dequantized once into a cached FP16 folder)
+  FILE.gguf                 a GGUF of a family quantkit runs that transformers reads (dequantized once into a cached
+                            folder: gguf_file.py)
   OWNER/NAME                a Hub id resolved from the local Hugging Face cache (offline)
 `resolve` refuses a config.json that quantkit cannot run (unknown model_type, GPT-2, OPT, an unsupported feature of a
 known family) before any weight loads; checkpoint tensors are mapped to the model's names by the family's `split`
@@ -13,11 +14,7 @@ known family) before any weight loads; checkpoint tensors are mapped to the mode
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -25,10 +22,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from quantkit.atomic import temp_dir_beside
 from quantkit.errors import QuantkitError
 from quantkit.files import cache_root, read_hf_config, read_safetensors
 from quantkit.models.config import ModelConfig
+from quantkit.models.gguf_file import gguf_to_hf_folder
 from quantkit.models.model import CausalLM
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -62,42 +59,7 @@ def bundled_gguf() -> Path:
 
 def bundled_model_dir() -> Path:
     """The bundled model as a plain FP16 Hugging Face folder (made once, then reused)."""
-    return gguf_to_hf_folder(bundled_gguf(), cache_root() / "models" / f"{BUNDLED_NAME}-fp16")
-
-
-def gguf_to_hf_folder(gguf: Path, out: Optional[Path] = None) -> Path:
-    """Dequantize a GGUF file once into an FP16 safetensors folder with tokenizer (atomic; cached)."""
-    if out is None:
-        stat = gguf.stat()
-        key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-        out = cache_root() / "models" / f"{gguf.stem}-{key}-fp16"
-    if (out / "config.json").is_file():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    hf_config = hf_model.config.to_dict()
-    hf_config.pop("quantization_config", None)  # the folder is plain FP16 now, not GGUF
-    hf_config["torch_dtype"] = hf_config["dtype"] = "float16"
-    hf_config["architectures"] = [type(hf_model).__name__]  # vLLM picks its model class from this
-    state = {k: v.to(torch.float16).contiguous() for k, v in hf_model.state_dict().items()}
-    if hf_config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
-    tmp = temp_dir_beside(out)
-    try:
-        from safetensors.torch import save_file
-
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
-        tokenizer.save_pretrained(tmp)
-        GenerationConfig.from_model_config(hf_model.config).save_pretrained(tmp)
-        os.replace(tmp, out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():  # another process did not win the race either
-            raise
-    return out
+    return gguf_to_hf_folder(bundled_gguf(), cache_root() / "models" / f"{BUNDLED_NAME}-fp16", torch.float16)
 
 
 def resolve(source: Optional[str]) -> tuple[Path, str]:

@@ -12,9 +12,14 @@ Scale search, a in {0, 1/20, ..., 19/20}:
 Folding s (x' = x / s, W' = W s) leaves the float model's outputs unchanged.
 Clip search (every Linear but q/k): per row and group, the shrink t in {1, 0.95, ..., 0.55} of the group's absmax
 minimising that group's partial-output error dw_g H_gg dw_g^T.
-MoE (models/registry.py): the norm before an MoE block is one group over every expert's gate/up, searched on the
-router's input (all tokens) and folded into the router's columns too; each expert's up -> down is its own group on
-its routed tokens, and clipping uses each expert's own H. An expert no token reached is rounded to nearest.
+MoE (models/registry.py): the norm before an MoE block feeds the router and every expert, so it can hold only one
+scale vector: one group over every expert's gate/up (and the shared expert's), its candidates s from the mean |x| of
+all tokens (the router's input), folded into the router's columns too. Its error is each Linear's own on its own
+inputs, summed over what the block computes: sum_l tokens_l tr(dW_l H_l dW_l^T) / sum_l tokens_l N_l, with H_l the
+Hessian of the tokens routed to that expert (of its forced pass when it was starved, weighted by its routed
+tokens, so an expert the router never picks does not move the shared scale). Each expert's up -> down is its own
+group on its own inputs, and clipping uses each expert's own H. An expert no statistics reached (the forced pass
+turned off) is rounded to nearest.
 """
 
 from __future__ import annotations
@@ -69,19 +74,53 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float) -
     return s / (s.max() * s.min()).sqrt()
 
 
-def search_scales(weight: torch.Tensor, x_mean: torch.Tensor, h: torch.Tensor, scheme: QuantScheme,
-                  n_grid: int = N_GRID) -> ScaleSearch:
-    """weight [N, K] (the group's Linears concatenated along N), x_mean [K], h [K, K] -> the best scales."""
+@dataclass
+class RowBlock:
+    """Rows [start, stop) of a scaling group's concatenated weight, measured on the Hessian h [K, K] of their own
+    input, over `tokens` tokens."""
+
+    start: int
+    stop: int
+    h: torch.Tensor
+    tokens: int
+
+
+def group_error(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor | Sequence[RowBlock]) -> float:
+    """The group's mean squared output error: `output_error` with one Hessian h [K, K] for all rows, or with each
+    RowBlock's own, weighted by its tokens (the error per computed output element)."""
+    if isinstance(h, torch.Tensor):
+        return output_error(weight, approx, h)
+    total = sum(b.tokens * (b.stop - b.start) * output_error(weight[b.start:b.stop], approx[b.start:b.stop], b.h)
+                for b in h)
+    return total / sum(b.tokens * (b.stop - b.start) for b in h)
+
+
+def search_scales(weight: torch.Tensor, x_mean: torch.Tensor, h: torch.Tensor | Sequence[RowBlock],
+                  scheme: QuantScheme, n_grid: int = N_GRID) -> ScaleSearch:
+    """weight [N, K] (the group's Linears concatenated along N), x_mean [K], h [K, K] or RowBlocks -> the best
+    scales."""
     w = weight.float()
     w_mean = weight_magnitude(w, scheme)
     best: Optional[ScaleSearch] = None
     for i in range(n_grid):
         s = candidate_scales(x_mean, w_mean, i / n_grid)
-        loss = output_error(w, fake_quantize(w * s, scheme) / s, h)
+        loss = group_error(w, fake_quantize(w * s, scheme) / s, h)
         if best is None or loss < best.loss:
             best = ScaleSearch(s, i / n_grid, loss, 0.0)
-    best.loss_unscaled = output_error(w, fake_quantize(w, scheme), h)
+    best.loss_unscaled = group_error(w, fake_quantize(w, scheme), h)
     return best
+
+
+def own_inputs(linears: Sequence[nn.Linear], stats: Sequence, hessians: dict[int, torch.Tensor]) -> list[RowBlock]:
+    """The RowBlocks of a group whose Linears (in concatenation order) each have their own input statistics
+    (None: no statistics, left out of the error)."""
+    blocks, start = [], 0
+    for linear, st in zip(linears, stats):
+        stop = start + linear.out_features
+        if st is not None and st.tokens:
+            blocks.append(RowBlock(start, stop, hessians[id(st)], st.tokens))
+        start = stop
+    return blocks
 
 
 def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) -> None:
@@ -170,8 +209,10 @@ class AWQ:
             if group.needs_equal_heads and prev.weight.shape[0] != first.in_features:
                 continue  # GQA: v_proj's output is narrower than o_proj's input, no per-channel fold exists
             weight = torch.cat([linears[n].weight.detach() for n in group.linears])  # [sum N, K]
-            found.append((group, prev, search_scales(weight, st.magnitude(), hessians[id(st)], self.scheme,
-                                                       self.n_grid)))
+            h = hessians[id(st)]
+            if group.source:  # the router's input: every expert measured on its own tokens instead
+                h = own_inputs([linears[n] for n in group.linears], [stats.get(n) for n in group.linears], hessians)
+            found.append((group, prev, search_scales(weight, st.magnitude(), h, self.scheme, self.n_grid)))
 
         info: dict[str, dict] = {n: {} for n in names}
         for group, prev, search in found:
@@ -191,7 +232,7 @@ class AWQ:
         h_of, info = self.search_and_fold(block, names, stats)
         for name in names:
             weight = block.get_submodule(name).weight.detach().float()  # scaled: W s
-            if name not in h_of:  # an expert no calibration token reached: round to nearest, no clip search
+            if name not in h_of:  # an expert no token reached (forced pass off): round to nearest, no clip search
                 yield name, quantize_rtn(weight, self.scheme, layer=prefix + name), \
                     {**info[name], "loss": None, "fallback": True, "no_tokens": True}
                 continue

@@ -10,8 +10,12 @@
 The methods (quant/rtn.py, gptq.py, awq.py) only see weights and statistics: `needs` names the statistics
 ("hessian": X^T X, "magnitude": sum |x|), `true_sequential` whether they take the stages one at a time.
 MoE blocks: each expert's Linears are recorded on exactly the tokens routed to it (the router's output, read by a
-hook, says which); an expert that no calibration token reaches has no statistics, and the method rounds it to nearest
-(reported as a fallback with tokens 0).
+hook, says which); an expert routed fewer than cfg.moe_min_tokens is recorded instead on a forced-routing pass (every
+token, weighted by its router probability: quant/moe_calibration.py).
+Bounded memory (`weights`, quantkit calibrate --max-host-memory): the model is on the meta device, each block is read
+from the safetensors shards just before it runs and freed once written (quant/lazy_weights.py), x spills to the work
+folder when it does not fit (quant/activation_store.py), and the checkpoint streams from the work folder
+(quant/bounded.py). The same numbers meet the same operations in the same order, so the codes are the same.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -30,8 +34,11 @@ import quantkit
 from quantkit.config import CalibConfig
 from quantkit.errors import QuantkitError
 from quantkit.models.registry import arch_spec
+from quantkit.quant.activation_store import INPUTS, NEXT, Activations, Successor, fits
 from quantkit.quant.awq import AWQ, accumulate_magnitude
 from quantkit.quant.gptq import GPTQ, accumulate_hessian, finish_hessian
+from quantkit.quant.lazy_weights import LazyWeights
+from quantkit.quant.moe_calibration import force_starved_experts, resolve_min_tokens, stats_report
 from quantkit.quant.resume import WorkFolder
 from quantkit.quant.rtn import RTN
 from quantkit.quant.scheme import QTensor, dequantize
@@ -114,6 +121,10 @@ class _Replayed(nn.Module):
 
 
 def make_method(cfg: CalibConfig, model_type: str):
+    if cfg.layer_schemes:  # each Linear by the method of its own scheme (quant/per_layer.py)
+        from quantkit.quant.per_layer import PerLayerSchemes
+
+        return PerLayerSchemes(cfg, lambda c: make_method(c, model_type))
     if cfg.method == "rtn":
         return RTN(cfg.scheme)
     if cfg.method == "gptq":
@@ -140,16 +151,24 @@ def check_tokens(mask: torch.Tensor, hidden: int, cfg: CalibConfig, log: Callabl
             f"{cfg.num_samples}: calibrating on {tokens} tokens")
 
 
-def model_fingerprint(model: nn.Module, hf_config: dict) -> str:
+def model_fingerprint(tensors: Iterable[tuple[str, Iterable[torch.Tensor]]], hf_config: dict) -> str:
+    """sha256 of the config and of every tensor of the model's state dict, in order, each tensor once: (name, its
+    consecutive pieces of rows), so a tensor hashes the same whole or streamed."""
     h = hashlib.sha256(json.dumps(hf_config, sort_keys=True, default=str).encode())
+    for name, pieces in tensors:
+        h.update(name.encode())
+        for t in pieces:
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # buffer: no copy
+    return h.hexdigest()
+
+
+def resident_tensors(model: nn.Module) -> Iterator[tuple[str, tuple[torch.Tensor]]]:
+    """The state dict of a model in memory, tied weights once (LazyWeights.named_tensors gives it streamed)."""
     seen = set()
     for name, t in model.state_dict().items():
-        if t.data_ptr() in seen:  # tied weights
-            continue
-        seen.add(t.data_ptr())
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # buffer: no copy
-    return h.hexdigest()
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            yield name, (t,)
 
 
 def resolve_compute_dtype(compute_dtype: str, device: torch.device) -> str:
@@ -237,10 +256,38 @@ def observed(stage: list[str], spec) -> list[str]:
     return stage + list(dict.fromkeys(extra))
 
 
-def block_forward(block: nn.Module, x: torch.Tensor, positions: torch.Tensor, batch_size: int, device) -> torch.Tensor:
-    """x [N, L, H] (CPU) -> block(x) [N, L, H] (CPU)."""
-    return torch.cat([block(x[b0:b0 + batch_size].to(device), positions).cpu()
-                      for b0 in range(0, x.shape[0], batch_size)])
+def block_forward(block: nn.Module, x: Activations, positions: torch.Tensor, batch_size: int, device,
+                  out: Successor) -> Activations:
+    """x [N, L, H] (CPU) -> block(x) [N, L, H] (CPU), gathered batch by batch in `out`."""
+    for b0 in range(0, len(x), batch_size):
+        out.add(block(x[b0:b0 + batch_size].to(device), positions).cpu())
+    return out.finish()
+
+
+def first_inputs(model: nn.Module, input_ids: torch.Tensor, batch_size: int, weights: Optional[LazyWeights],
+                 work: Optional[WorkFolder], spill: bool) -> Activations:
+    """x = embed(input_ids) [N, L, H], the first block's inputs (spilled: written batch by batch to the work folder;
+    streamed weights: the embedding is materialised for this only)."""
+    if weights is not None:
+        weights.materialise("model.embed_tokens.")
+    try:
+        if not spill:
+            return Activations(model.embed(input_ids))
+        shape = (*input_ids.shape, model.config.hidden_size)
+        out = Successor(torch.Size(shape), model.model.embed_tokens.weight.dtype, work.path / NEXT, 0)
+        for b0 in range(0, input_ids.shape[0], batch_size):
+            out.add(model.embed(input_ids[b0:b0 + batch_size]))
+        x = out.finish()
+        x.persist(work, 0)
+        return x
+    finally:
+        if weights is not None:
+            weights.release("model.embed_tokens.")
+
+
+def block_bytes(layers: nn.ModuleList) -> int:
+    """The largest decoder block's parameters, in bytes (meta-device blocks count as materialised)."""
+    return max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
 
 
 def set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -257,11 +304,16 @@ def swap_in_qlinear(block: nn.Module, name: str, qt: QTensor) -> None:
 
 def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_dir: Optional[Path] = None,
               resume: bool = True, device: Optional[str] = None, progress: bool = True,
-              log: Callable[[str], None] = print) -> list[dict]:
+              log: Callable[[str], None] = print, weights: Optional[LazyWeights] = None,
+              max_host_memory: Optional[int] = None) -> list[dict]:
     """Quantize every decoder-block Linear of `model` in place (nn.Linear -> QLinear); returns the per-layer report.
 
     calib: quantkit.data.CalibData, or None for methods that need no data (RTN).
     work_dir: where finished blocks are kept (None: no resume); removed by the caller after the checkpoint is saved.
+    weights: `model` is on the meta device and its weights stream from these (calibration in bounded memory): each
+    block is materialised before it is calibrated and back on meta (QLinears included) once written to work_dir,
+    from which quant/bounded.py streams the checkpoint.
+    max_host_memory: bytes; the activations spill to work_dir when they would not fit (activation_store.fits).
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -273,11 +325,15 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
     if needs_data and calib is None:
         raise QuantkitError(f"--method {cfg.method} needs calibration data: pass --data FILE")
     layers = model.model.layers
+    if work_dir is None and (weights is not None or max_host_memory is not None):
+        raise QuantkitError("calibration in bounded memory writes every block to a work folder: pass work_dir")
+    min_tokens = resolve_min_tokens(cfg.moe_min_tokens, model.config.hidden_size)
 
     work = None
     start = 0
     if work_dir is not None:
-        fingerprint = {"model": model_fingerprint(model, hf_config),
+        fingerprint = {"model": model_fingerprint(weights.named_tensors() if weights else resident_tensors(model),
+                                                  hf_config),
                        "data": calib.fingerprint if needs_data else "none",
                        "config": json.dumps({**cfg.fingerprint_fields(), "compute_dtype": compute_dtype}, sort_keys=True),
                        "version": quantkit.__version__}
@@ -286,19 +342,30 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
 
     report: list[dict] = []
     for i in range(start):  # finished blocks come back from the work folder
-        qts, block_report = work.load_block(i, layers[i], spec.in_block(layers[i]).linears, cfg.scheme)
+        qts, block_report = work.load_block(i, layers[i], spec.in_block(layers[i]).linears,
+                                            lambda name, prefix=f"model.layers.{i}.": cfg.scheme_of(prefix + name))
         for name, qt in qts.items():
             swap_in_qlinear(layers[i], name, qt)
+        if weights is not None:
+            weights.release(f"model.layers.{i}.")
         report += block_report
 
     x = mask = positions = None
+    spill = False
     if needs_data:
         mask = token_mask(calib)
         check_tokens(mask, model.config.hidden_size, cfg, log)
-        x = work.load_inputs() if start else None
-        if x is None:
+        x_bytes = calib.input_ids.numel() * model.config.hidden_size * model.model.embed_tokens.weight.element_size()
+        spill = not fits(x_bytes, block_bytes(layers), max_host_memory)
+        if spill:
+            log(f"activations [{', '.join(map(str, calib.input_ids.shape))}, {model.config.hidden_size}] "
+                f"({x_bytes / 1e6:.0f} MB, 3x that while a block runs) do not fit --max-host-memory with one block's "
+                f"weights ({block_bytes(layers) / 1e6:.0f} MB): they spill to {work.path / INPUTS}")
+        if start:
+            x = Activations(path=work.path / INPUTS) if spill else Activations(work.load_inputs())
+        else:
             with torch.no_grad():
-                x = model.embed(calib.input_ids)  # [N, L, H]
+                x = first_inputs(model, calib.input_ids, cfg.batch_size, weights, work, spill)  # [N, L, H]
         positions = torch.arange(calib.input_ids.shape[1], device=device)
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} blocks"),
@@ -306,7 +373,10 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
     with Progress(*columns, disable=not progress) as bar, torch.no_grad():
         task = bar.add_task(f"{cfg.method} {cfg.scheme.name()}", total=len(layers), completed=start, status="")
         for i in range(start, len(layers)):
-            prefix, block = f"model.layers.{i}.", layers[i].to(device)
+            prefix = f"model.layers.{i}."
+            if weights is not None:
+                weights.materialise(prefix)
+            block = layers[i].to(device)
             bspec = spec.in_block(block)  # experts expanded; a dense layer of an MoE model has none
             stages = [list(s) for s in bspec.sequential] if method.true_sequential else [list(bspec.linears)]
             qts: dict[str, QTensor] = {}
@@ -314,9 +384,14 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
             replay, batches = Replay(block, bspec.linears), -(-len(x) // cfg.batch_size) if needs_data else 0
             for stage in stages:
                 t0 = time.perf_counter()
-                with autocast(device, compute_dtype), replay.forward(set(qts), batches):
+                # spilled: nothing the size of x is kept (the finished attention is recomputed, not replayed)
+                with autocast(device, compute_dtype), replay.forward(set(qts), batches, record=not spill):
                     stats = (capture_stage(block, observed(stage, bspec), x, mask, positions, method.needs,
                                            cfg.batch_size, prefix, device, bspec.router) if needs_data else {})
+                if needs_data and bspec.router:  # experts routed too few tokens: the forced pass replaces theirs
+                    with autocast(device, compute_dtype), replay.forward(set(qts), batches, record=False):
+                        stats.update(force_starved_experts(block, stage, stats, x, mask, positions, method.needs,
+                                                           cfg.batch_size, prefix, device, bspec, min_tokens))
                 for name, qt, info in method.quantize_stage(block, stage, stats, prefix):
                     if needs_data:  # later stages and the block's outputs see the quantized weights
                         linear = block.get_submodule(name)
@@ -324,21 +399,24 @@ def calibrate(model: nn.Module, hf_config: dict, calib, cfg: CalibConfig, work_d
                     qts[name] = qt.to("cpu")
                     st, t1 = stats.get(name), time.perf_counter()
                     # time_s: since the previous layer; a stage's first layer includes the forward that fed it
-                    block_report.append({"name": prefix + name, "samples": st.samples if st else 0,
-                                         "tokens": st.tokens if st else 0, **info, "time_s": round(t1 - t0, 3)})
+                    block_report.append({"name": prefix + name, **stats_report(st), **info,
+                                         "time_s": round(t1 - t0, 3)})
                     t0 = t1
                     loss = info.get("loss")
                     bar.update(task, status=f"{name} loss {loss:.4g}" if loss is not None else name)
             if needs_data:
                 with autocast(device, compute_dtype), replay.forward(set(qts), batches, record=False):
-                    x = block_forward(block, x, positions, cfg.batch_size, device)
+                    x = block_forward(block, x, positions, cfg.batch_size, device, x.successor(i + 1))
             block.cpu()
             if work is not None:
                 work.save_block(i, block, qts, block_report)
                 if needs_data:
-                    work.save_inputs(i + 1, x)
+                    x.persist(work, i + 1)  # after the block: a resumed run trusts inputs only past durable blocks
             for name, qt in qts.items():
                 swap_in_qlinear(block, name, qt)
+            if weights is not None:
+                weights.release(prefix)
+            qts = stats = replay = None  # freed before the next block is read
             report += block_report
             bar.update(task, advance=1)
     return report

@@ -211,8 +211,8 @@ def scheme_for_columns(scheme: QuantScheme) -> QuantScheme:
 
 
 def rtn_fallback(weight: torch.Tensor, scheme: QuantScheme, layer: str) -> tuple[QTensor, dict]:
-    """A Linear without calibration inputs (an MoE expert no token reached): round to nearest, reported as a
-    fallback with no loss (there are no inputs to measure it on)."""
+    """A Linear without calibration inputs (an MoE expert no token reached, the forced-routing pass turned off:
+    quant/moe_calibration.py): round to nearest, reported as a fallback with no loss (no inputs to measure it on)."""
     qt = quantize_rtn(weight.detach().float(), dataclasses.replace(scheme, act_order=False), layer=layer)
     return qt, {"damp": None, "loss": None, "fallback": True, "dead_columns": weight.shape[1], "no_tokens": True}
 
@@ -233,7 +233,7 @@ class GPTQ:
         hessians: dict[int, torch.Tensor] = {}  # id(stats) -> H: q, k and v share one input
         for name in names:
             st = stats.get(name)
-            if st is None:  # an expert no calibration token was routed to: nothing to minimise the error on
+            if st is None:  # an expert no calibration token reached (forced pass off): no error to minimise
                 yield name, *rtn_fallback(block.get_submodule(name).weight, self.scheme, prefix + name)
                 continue
             if id(st) not in hessians:

@@ -95,14 +95,17 @@ class WorkFolder:
             tensors.update({f"{name}.{f}": getattr(qt, f) for f in QTENSOR_FIELDS if getattr(qt, f) is not None})
         atomic_save(tensors, self.path / f"block_{index:03d}.safetensors", {"report": json.dumps(report)})
 
-    def load_block(self, index: int, block: nn.Module, linears: Sequence[str], scheme: QuantScheme
-                   ) -> tuple[dict[str, QTensor], list[dict]]:
-        """Restore the block's float parameters in place; returns its QTensors and report."""
+    def load_block(self, index: int, block: nn.Module, linears: Sequence[str],
+                   scheme: QuantScheme | Callable[[str], Optional[QuantScheme]]) -> tuple[dict[str, QTensor], list[dict]]:
+        """Restore the block's float parameters in place (assigned: a block on the meta device gets them too);
+        returns its QTensors and report. scheme: every Linear's, or each one's by name (None: it stayed float)."""
         tensors, meta = _load(self.path / f"block_{index:03d}.safetensors")
+        schemes = {n: scheme(n) if callable(scheme) else scheme for n in linears}
+        linears = [n for n in linears if schemes[n] is not None]
         quantized = {f"{n}.{f}" for n in linears for f in QTENSOR_FIELDS}
-        block.load_state_dict({k: v for k, v in tensors.items() if k not in quantized}, strict=False)
-        qts = {n: QTensor(*(tensors.get(f"{n}.{f}") for f in QTENSOR_FIELDS), scheme.bits, scheme.group_size,
-                          scheme.sym) for n in linears}
+        block.load_state_dict({k: v for k, v in tensors.items() if k not in quantized}, strict=False, assign=True)
+        qts = {n: QTensor(*(tensors.get(f"{n}.{f}") for f in QTENSOR_FIELDS), schemes[n].bits, schemes[n].group_size,
+                          schemes[n].sym) for n in linears}
         return qts, json.loads(meta["report"])
 
     def save_inputs(self, next_block: int, x: torch.Tensor) -> None:

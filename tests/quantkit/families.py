@@ -41,6 +41,11 @@ MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 def hf_model(name: str) -> nn.Module:
     model_type, extra = FAMILIES[name]
+    return random_hf_model(model_type, **extra)
+
+
+def random_hf_model(model_type: str, **extra) -> nn.Module:
+    """transformers' model of BASE updated by `extra`, random weights (seed 0), fp32, eval mode."""
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**BASE, **extra}), dtype=torch.float32)
     with torch.no_grad():  # random biases and norms, so a missing term cannot hide behind zeros/ones

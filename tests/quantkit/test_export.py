@@ -128,5 +128,7 @@ def test_bad_arguments_and_the_cli(tmp_path):
 
     result = CliRunner().invoke(_typer_app, ["export", str(folder), "--format", "awq", "--out", str(tmp_path / "awq")])
     assert result.exit_code == 0, result.output
-    assert result.output.strip() == f"wrote {tmp_path / 'awq'} (awq)"
+    assert result.output.splitlines() == [  # the second line: quantkit/formats/compatibility.py's note
+        f"wrote {tmp_path / 'awq'} (awq)",
+        "awq w4 g32 sym: loads in: vLLM (CUDA), vLLM (CPU), transformers, TGI, SGLang (quantkit info DIR says why)"]
     assert torch.equal(logits(tmp_path / "awq"), logits(folder))

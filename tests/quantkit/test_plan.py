@@ -107,14 +107,18 @@ def test_plan_capacity_equals_what_the_engine_reports_at_start(bundled, caplog):
 def test_roofline_and_cost():
     cfg = cfg_of(LLAMA2_13B)
     h100 = GPUS["h100-80gb"]
-    w = weight_bytes(cfg, "fp16").stored_bytes
+    fp16 = weight_bytes(cfg, "fp16")
+    w, width = fp16.stored_bytes, 40 * 40 * 128
+    # the Linears and the lm_head multiply every token; the embedding is a lookup
+    matmul = 40 * (4 * 5120 * 5120 + 3 * 5120 * 13824) + 32000 * 5120
+    assert fp16.device_matmul_params == matmul
     # batch 1, 1000-token context: memory bound, bytes / bandwidth
-    assert roofline_step_s(w, 819_200, cfg, h100, 1, 1000) == pytest.approx((w + 1000 * 819_200) / 3350e9, rel=1e-12)
+    assert roofline_step_s(w, 819_200, matmul, width, h100, 1, 1000) == pytest.approx(
+        (w + 1000 * 819_200) / 3350e9, rel=1e-12)
     # an absurd batch on a slow-compute card becomes compute bound: 2 x matmul params + attention flops per token
     slow = Gpu("slow", 80, 3350, 1.0)
-    matmul = 40 * (4 * 5120 * 5120 + 3 * 5120 * 13824) + 32000 * 5120
     flops = 64 * (2 * matmul + 4 * 40 * 40 * 128 * 1000)
-    assert roofline_step_s(w, 819_200, cfg, slow, 64, 1000) == pytest.approx(flops / 1e12, rel=1e-12)
+    assert roofline_step_s(w, 819_200, matmul, width, slow, 64, 1000) == pytest.approx(flops / 1e12, rel=1e-12)
     plan = make_plan(cfg, h100, quant="w4", max_model_len=4096, price_per_hour=2.0)
     rows = plan["roofline"]
     assert [r["batch"] for r in rows][:4] == [1, 2, 4, 8]

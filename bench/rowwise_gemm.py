@@ -1,0 +1,68 @@
+"""The row-invariant bf16 GEMM (kernels/cpu/rowwise_gemm.py) against oneDNN's prepacked matmul, side by side.
+
+    python bench/rowwise_gemm.py [--rows 1,8,64,256] [--repeats 5]
+
+Shapes (N x K) are the bundled SmolLM2-135M's: q/o 576 x 576, k/v 192 x 576, gate/up 1536 x 576, down 576 x 1536,
+lm_head 49152 x 576, plus the fused q|k|v 960 x 576 and gate|up 3072 x 576 (with the SiLU epilogue) that
+batch-invariant serving runs. Each layer is timed over 30 distinct copies of its weight (4 of the lm_head), as a
+forward pass meets 30 layers, so the weights stream from memory instead of sitting in cache; the figure is
+microseconds per call, the median of --repeats passes over the copies. oneDNN's gate|up row is its plain GEMM
+without the epilogue (what it would have to add on top).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from quantkit.kernels.cpu import gemm as cpu_gemm
+from quantkit.kernels.cpu import rowwise_gemm
+
+SHAPES = [(576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]
+FUSED_ACT = (3072, 576)  # gate|up: the rowwise kernel applies silu(gate) * up in its epilogue
+
+
+def per_call_us(fn, weights: list, repeats: int) -> float:
+    for w in weights[:2]:
+        fn(w)
+    passes = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in weights:
+            fn(w)
+        passes.append((time.perf_counter() - start) / len(weights))
+    return statistics.median(passes) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,8,64,256")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    if not rowwise_gemm.available():
+        raise SystemExit("the rowwise GEMM did not build here (no C compiler?)")
+    with open("/proc/loadavg") as f:
+        print(f"threads {torch.get_num_threads()}, load average {f.read().split()[0]}")
+    print("| N x K | rows | oneDNN prepacked (us) | rowwise (us) | rowwise / oneDNN |")
+    print("|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        copies = 4 if n * k > 10_000_000 else 30
+        weights = [(torch.randn(n, k, generator=gen) * 0.05).bfloat16() for _ in range(copies)]
+        act = (n, k) == FUSED_ACT
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            onednn = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in weights]
+            vnni = [cpu_gemm.pack_bf16(w) for w in weights]
+            t_onednn = per_call_us(lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), onednn,
+                                   args.repeats)
+            t_rows = per_call_us(lambda w: rowwise_gemm.matmul(x, w, act=act), vnni, args.repeats)
+            label = f"{n} x {k}" + (" (+SiLU)" if act else "")
+            print(f"| {label} | {m} | {t_onednn:.0f} | {t_rows:.0f} | {t_rows / t_onednn:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

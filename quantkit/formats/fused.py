@@ -1,0 +1,92 @@
+"""Quantized Linears a family's checkpoints store as one module: written fused, read back per Linear.
+
+quantkit quantizes one Linear per projection (q/k/v_proj, gate/up_proj), but Phi-3's checkpoints, and the Phi-3
+modules of transformers and vLLM that load them, have one `self_attn.qkv_proj` (rows q | k | v) and one
+`mlp.gate_up_proj` (rows gate | up). A quantized folder must use the loading runtime's module names, so the parts'
+QTensors are concatenated along N (codes, zeros and scales are all row-major in N; the parts share their input, so
+their g_idx is one) and written under the fused name. Reading splits them again by the family's own `split` (the
+one place the row sizes live, quantkit/models/keys.py), so a fused folder written by GPTQModel reads the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.quant.scheme import QTensor
+
+Entry = tuple[QTensor, Optional[torch.Tensor]]  # (QTensor, bias or None) of one quantized Linear
+
+# model_type -> (fused name, its parts in row order), names relative to the Linears' common parent module
+FUSED_ON_DISK: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "phi3": (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))),
+}
+
+
+def on_disk_name(model_type: str, name: str) -> str:
+    """A Linear's name in the checkpoint: its fused module's name when the family fuses it, else its own."""
+    parent, dot, child = name.rpartition(".")
+    for fused, parts in FUSED_ON_DISK.get(model_type, ()):
+        if child in parts:
+            return f"{parent}{dot}{fused}"
+    return name
+
+
+def fuse(model_type: str, entries: dict[str, Entry]) -> dict[str, Entry]:
+    """{Linear name: entry} -> {checkpoint module name: entry}, each fused group's parts concatenated along N."""
+    groups: dict[str, list[str]] = {}
+    for name in entries:
+        groups.setdefault(on_disk_name(model_type, name), []).append(name)
+    out = {}
+    for target, names in groups.items():
+        if names == [target]:
+            out[target] = entries[target]
+            continue
+        parent = target.rpartition(".")[0]
+        parts = dict(FUSED_ON_DISK[model_type])[target.rpartition(".")[2]]
+        ordered = [f"{parent}.{p}" if parent else p for p in parts]
+        if sorted(ordered) != sorted(names):
+            raise QuantkitError(f"layer {target}: the checkpoint stores {', '.join(parts)} as one module, but only "
+                                f"{', '.join(sorted(names))} are quantized: quantize all of them or none")
+        out[target] = _concat(target, [entries[n] for n in ordered])
+    return out
+
+
+def split(hf_config: dict, entries: dict[str, Entry]) -> dict[str, Entry]:
+    """{checkpoint module name: entry} -> {Linear name: entry}: every fused module cut into its parts' rows."""
+    if hf_config.get("model_type") not in FUSED_ON_DISK:
+        return entries
+    from quantkit.models.config import ModelConfig
+    from quantkit.models.family import family_of
+
+    cfg = ModelConfig.from_hf(hf_config)
+    family = family_of(cfg.model_type)
+    out = {}
+    for name, (qt, bias) in entries.items():
+        rows = family.split({f"{name}.weight": torch.arange(qt.shape[0])}, cfg)  # part.weight -> its row indices
+        if list(rows) == [f"{name}.weight"]:
+            out[name] = (qt, bias)
+            continue
+        for key, index in rows.items():
+            part = QTensor(qt.codes[index].contiguous(), qt.zeros[index].contiguous(), qt.scales[index].contiguous(),
+                           qt.g_idx, qt.bits, qt.group_size, qt.sym)
+            out[key.removesuffix(".weight")] = (part, None if bias is None else bias[index].contiguous())
+    return out
+
+
+def _concat(target: str, entries: list[Entry]) -> Entry:
+    first = entries[0][0]
+    for qt, _ in entries[1:]:
+        if (qt.bits, qt.group_size, qt.sym, qt.shape[1]) != (first.bits, first.group_size, first.sym, first.shape[1]):
+            raise QuantkitError(f"layer {target}: its parts differ in scheme or in_features and cannot be fused")
+        if (qt.g_idx is None) != (first.g_idx is None) or (qt.g_idx is not None and not torch.equal(qt.g_idx, first.g_idx)):
+            raise QuantkitError(f"layer {target}: its parts have different act-order g_idx, so one fused module "
+                                f"cannot hold them: quantize them from one Hessian (same input) or without act-order")
+    biases = [b for _, b in entries]
+    if any(b is None for b in biases) != all(b is None for b in biases):
+        raise QuantkitError(f"layer {target}: some of its parts have a bias and some do not")
+    qt = QTensor(torch.cat([e[0].codes for e in entries]), torch.cat([e[0].zeros for e in entries]),
+                 torch.cat([e[0].scales for e in entries]), first.g_idx, first.bits, first.group_size, first.sym)
+    return qt, None if biases[0] is None else torch.cat(biases)
