@@ -63,7 +63,13 @@ def main() -> None:
     ap.add_argument("--step-bpw", type=float, default=0.5)
     ap.add_argument("--vllm-python", default="/tmp/vllm_venv/bin/python")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--runtimes-only", action="store_true", help="only step 4, on the folders a run left in --work")
     args = ap.parse_args()
+    if args.runtimes_only:
+        rows = runtimes(args.work / "mixed", args.work / "mixed-w4-float", args.work, args.vllm_python)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
 
     import torch
 
@@ -159,36 +165,62 @@ def wikitext(folder: Path, base: str, windows: int) -> dict:
 
 
 def runtimes(mixed: Path, w4_float: Path, work: Path, vllm_python: str) -> list[dict]:
-    """Greedy tokens in quantkit, transformers and vLLM of the mix of every candidate (gptq) and of the 4-bit + float
-    mix (gptq, and exported to compressed-tensors)."""
+    """Greedy tokens in quantkit, transformers and vLLM of the mix of every candidate (gptq), of the 4-bit + float
+    mix (gptq, and exported to compressed-tensors) and of uniform W4 g64 (gptq). The other runtimes run in
+    bench/runtime_compat.py's child mode (`run_child`: its own venv's python, one process per folder)."""
     import runtime_compat as rc
 
+    from quantkit import LLM, SamplingParams
     from quantkit.export import export
     from quantkit.models.loader import load_tokenizer
 
     tok = load_tokenizer(None)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
                                        return_dict=False) for p in rc.PROMPTS]
-    ct = export(w4_float, "compressed-tensors", work / "mixed-w4-float-ct")
+    ct = work / "mixed-w4-float-ct"
+    if not (ct / "config.json").is_file():
+        export(w4_float, "compressed-tensors", ct)
     rows = []
-    for layout, path in (("gptq", mixed), ("gptq", w4_float), ("compressed-tensors", ct)):
+    uniform = work / "uniform-w4g64"  # the same comparison for one scheme everywhere: what bf16 alone changes
+    for layout, path in (("gptq", mixed), ("gptq", w4_float), ("compressed-tensors", ct), ("gptq", uniform)):
         t = time.perf_counter()
         method = json.loads((path / "config.json").read_text())["quantization_config"]["quant_method"]
-        request = {"folder": str(path), "prompts": prompts, "quant_method": method}
-        llm, ours = rc.quantkit_greedy(path, prompts)
-        results = {"transformers": rc.run_child(sys.executable, "transformers", request, {}, timeout=900)}
+        llm = LLM(str(path), dtype="float32")
+        params = SamplingParams(temperature=0, max_tokens=rc.MAX_TOKENS, ignore_eos=True)
+        ours = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        # transformers' child scores quantkit's continuations teacher-forced (its argmax at every position)
+        request = {"folder": str(path), "prompts": prompts, "quant_method": method, "continuations": ours}
+        results = {"transformers": rc.run_child(sys.executable, "transformers", request, getattr(rc, "HF_ENV", {}),
+                                                timeout=900)}
         if Path(vllm_python).is_file():
             results["vllm"] = rc.run_child(vllm_python, "vllm", request, rc.VLLM_ENV, timeout=1800)
         figures = {}
         for runtime, result in results.items():
-            same, gaps = rc.agreement(llm, prompts, ours, result)
-            figures[runtime] = {"loads": "tokens" in result, "same_as_quantkit": same, "first_diff_logit_gaps": gaps,
-                                **{k: v for k, v in result.items() if k != "tokens"}}
+            theirs = result.get("tokens")
+            gaps = [] if theirs is None else [first_gap(llm.loaded.model, p, a, b)
+                                              for p, a, b in zip(prompts, ours, theirs) if a != b]
+            figures[runtime] = {"loads": theirs is not None,
+                                "same_as_quantkit": "-" if theirs is None else
+                                f"{sum(a == b for a, b in zip(ours, theirs))}/{len(ours)}",
+                                "first_diff_logit_gaps": gaps, **{k: v for k, v in result.items() if k != "tokens"}}
         if "vllm" not in results:
             figures["vllm"] = f"not run: {vllm_python} does not exist"
         rows.append(stamp(f"runtimes: {path.name} ({layout})", t, **figures))
         del llm
     return rows
+
+
+def first_gap(model, prompt: list[int], ours: list[int], theirs: list[int]) -> tuple[int, float]:
+    """(position, logit of quantkit's token - logit of the other's) at the first difference, quantkit's fp32 forward:
+    a gap near 0 is a near tie a bf16 rounding flips."""
+    import torch
+
+    t = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if t is None:  # one stopped early: equal as far as both go
+        return min(len(ours), len(theirs)), float("nan")
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ours[:t]]))[0, -1].float()
+    return t, round(float(logits[ours[t]] - logits[theirs[t]]), 4)
 
 
 if __name__ == "__main__":

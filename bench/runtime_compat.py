@@ -67,7 +67,8 @@ CASES = [
     Case("w4g64-sym-act", ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym", "--act-order", *FEW]),
     Case("w4g64-sym-act-static", ["--method", "gptq", "--bits", "4", "--group-size", "64", "--sym", "--act-order",
                                   "--static-groups", *FEW], ["compressed-tensors"]),
-    Case("w4ch-asym", ["--method", "rtn", "--bits", "4", "--group-size", "-1", "--asym"], ["compressed-tensors"]),
+    Case("w4ch-asym", ["--method", "rtn", "--bits", "4", "--group-size", "-1", "--asym"],
+         ["gptq_v2", "compressed-tensors"]),
     Case("w8g64-sym", ["--method", "rtn", "--bits", "8", "--group-size", "64", "--sym"], ["compressed-tensors"]),
     Case("w8g64-asym", ["--method", "rtn", "--bits", "8", "--group-size", "64", "--asym"], ["compressed-tensors"]),
     Case("awq-w4g64-asym", ["--method", "awq", "--bits", "4", "--group-size", "64", *FEW]),
@@ -185,14 +186,15 @@ def build(case: Case, work: Path) -> list[tuple[str, Path, bool, list[str]]]:
     """(layout, folder, is the default, what quantkit printed about it) for the case's default folder and its exports
     (an existing folder is reused, so a rerun only decodes)."""
     default = work / case.name
-    log = quantkit_cli("calibrate", *case.flags, "--out", str(default)) if not (default / "config.json").is_file() else ""
+    log = "" if (default / "config.json").is_file() else quantkit_cli("calibrate", *case.flags, "--out", str(default))
     layout = json.loads((default / "quantkit.json").read_text())["layout"]
     folders = [(layout, default, True, after_wrote(log))]
     for fmt in case.exports:
         if fmt == layout:
             continue
         out = work / f"{case.name}-{fmt}"
-        log = quantkit_cli("export", str(default), "--format", fmt, "--out", str(out)) if not (out / "config.json").is_file() else ""
+        log = "" if (out / "config.json").is_file() else quantkit_cli("export", str(default), "--format", fmt, "--out",
+                                                                      str(out))
         folders.append((fmt, out, False, after_wrote(log)))
     return folders
 

@@ -96,16 +96,16 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def default_layout(method: str, scheme: QuantScheme) -> str:
-    """The layout the most runtimes load (bench/runtime_compat.py measures it in vLLM-CPU and transformers).
-    Symmetric GPTQ/RTN -> GPTQ v1. Asymmetric, and AWQ: AWQ GEMM where it holds the scheme (4-bit, grouped, no
-    act-order g_idx), because vLLM refuses asymmetric GPTQ on CPU (gptq_v2) but loads the same codes as AWQ; else
-    gptq_v2 for GPTQ/RTN (only GPTQ holds an act-order g_idx) and compressed-tensors for AWQ."""
-    awq_holds = scheme.bits == 4 and scheme.group_size != -1 and (not scheme.act_order or scheme.static_groups)
-    if method == "awq":
-        return "awq" if awq_holds else "compressed-tensors"
-    if scheme.sym:
+    """The layout the most runtimes load (bench/runtime_compat.py measures vLLM-CPU and transformers; BENCHMARKS.md).
+    Symmetric GPTQ/RTN -> GPTQ v1. Asymmetric at 4 bits without an act-order g_idx (and AWQ): AWQ GEMM when grouped,
+    compressed-tensors per-channel (AWQ needs groups) -- vLLM-CPU refuses asymmetric GPTQ (gptq_v2) but loads these,
+    the same codes. Else gptq_v2 for GPTQ/RTN (only GPTQ holds an act-order g_idx; 8-bit: transformers reads it
+    through gptqmodel) and compressed-tensors for 8-bit AWQ (AWQ GEMM is 4-bit only)."""
+    if scheme.sym and method != "awq":
         return "gptq"
-    return "awq" if awq_holds else "gptq_v2"
+    if scheme.bits == 4 and (not scheme.act_order or scheme.static_groups):
+        return "awq" if scheme.group_size != -1 else "compressed-tensors"
+    return "compressed-tensors" if method == "awq" else "gptq_v2"
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def _concat(target: str, entries: list[Entry]) -> Entry:
     for qt, _ in entries[1:]:
         if (qt.bits, qt.group_size, qt.sym, qt.shape[1]) != (first.bits, first.group_size, first.sym, first.shape[1]):
             raise QuantkitError(f"layer {target}: its parts differ in scheme or in_features and cannot be fused")
-        if (qt.g_idx is None) != (first.g_idx is None) or (qt.g_idx is not None and not torch.equal(qt.g_idx, first.g_idx)):
+        if not _same_g_idx(qt.g_idx, first.g_idx):
             raise QuantkitError(f"layer {target}: its parts have different act-order g_idx, so one fused module "
                                 f"cannot hold them: quantize them from one Hessian (same input) or without act-order")
     biases = [b for _, b in entries]
@@ -90,3 +90,7 @@ def _concat(target: str, entries: list[Entry]) -> Entry:
     qt = QTensor(torch.cat([e[0].codes for e in entries]), torch.cat([e[0].zeros for e in entries]),
                  torch.cat([e[0].scales for e in entries]), first.g_idx, first.bits, first.group_size, first.sym)
     return qt, None if biases[0] is None else torch.cat(biases)
+
+
+def _same_g_idx(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    return a is None and b is None or a is not None and b is not None and torch.equal(a, b)

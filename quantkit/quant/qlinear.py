@@ -132,10 +132,7 @@ class QLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if x.is_cuda:
             return self._cuda(x2).reshape(*lead, self.out_features)
-        y = self._cpu(x2)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+        return self._cpu(x2).reshape(*lead, self.out_features)
 
     def _cuda(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] -> [M, N] via the Triton dequant-GEMM kernels (bias fused there)."""
@@ -145,7 +142,16 @@ class QLinear(nn.Module):
         return qgemm.matmul(x2, self.prepared("triton"), bias)
 
     def _cpu(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 [M, K] -> [M, N] in x2's dtype, without bias: the first backend that takes this call."""
+        """x2 [M, K] -> [M, N] in x2's dtype, bias added: the first backend that takes this call; otherwise
+        dequantize + F.linear with the bias fused (the fp32 reference, bit for bit)."""
+        y = self._cpu_kernel(x2)
+        bias = None if self.bias is None else self.bias.to(x2.dtype)
+        if y is None:
+            return F.linear(x2, dequantize(self.qtensor(), x2.dtype), bias)
+        return y if bias is None else y + bias
+
+    def _cpu_kernel(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """x2 [M, K] -> [M, N] without bias from a bf16 kernel that takes this call, else None."""
         m = x2.shape[0]
         if x2.dtype == torch.bfloat16:
             if m >= _AMX_MIN_M:
@@ -159,4 +165,4 @@ class QLinear(nn.Module):
             packed = self.prepared("tinygemm")
             if packed is not None and 0 < m <= _KERNEL_MAX_M[packed[0]]:
                 return tinygemm.matmul(x2, packed)
-        return F.linear(x2, dequantize(self.qtensor(), x2.dtype))
+        return None

@@ -66,18 +66,19 @@ def test_info_prints_each_runtime_verdict(layout, scheme, tmp_path):
 
 
 def test_calibrate_and_export_name_the_runtimes(tmp_path):
-    """Asymmetric RTN writes gptq_v2 by default; the note says where it loads; exported as AWQ it loads everywhere."""
+    """Asymmetric grouped W4 RTN writes AWQ by default (it loads everywhere); exported as gptq_v2 the note names
+    the runtimes that do not read it."""
     src = save_tiny(tiny_model(), tmp_path / "float")
     out = tmp_path / "w4-asym"
     res = CliRunner().invoke(_typer_app, ["calibrate", str(src), "--method", "rtn", "--asym", "--group-size", "32",
                                           "--out", str(out)])
     assert res.exit_code == 0, res.output
-    assert ("gptq_v2 w4 g32 asym: loads in: vLLM (CUDA), transformers; not in: vLLM (CPU), TGI; unknown for: SGLang "
+    assert ("awq w4 g32 asym: loads in: vLLM (CUDA), vLLM (CPU), transformers, TGI, SGLang "
             "(quantkit info DIR says why)") in res.output.splitlines()
-    res = CliRunner().invoke(_typer_app, ["export", str(out), "--format", "awq", "--out", str(tmp_path / "awq")])
+    res = CliRunner().invoke(_typer_app, ["export", str(out), "--format", "gptq_v2", "--out", str(tmp_path / "v2")])
     assert res.exit_code == 0, res.output
-    assert res.output.splitlines()[-1] == ("awq w4 g32 asym: loads in: vLLM (CUDA), vLLM (CPU), transformers, TGI, "
-                                           "SGLang (quantkit info DIR says why)")
+    assert res.output.splitlines()[-1] == ("gptq_v2 w4 g32 asym: loads in: vLLM (CUDA), transformers; not in: "
+                                           "vLLM (CPU), TGI; unknown for: SGLang (quantkit info DIR says why)")
 
 
 def test_moe_rows_follow_the_experts(tmp_path, bundled_dir):

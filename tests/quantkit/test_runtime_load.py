@@ -89,9 +89,11 @@ def assert_experts_are_ours(hf, model) -> None:
     state, moe = hf.state_dict(), model.family.ffn_name
     for i in model.config.sparse_layers:
         block = model.model.layers[i].get_submodule(moe)
-        gate_up, down = state[f"model.layers.{i}.mlp.experts.gate_up_proj"], state[f"model.layers.{i}.mlp.experts.down_proj"]
+        experts = f"model.layers.{i}.mlp.experts"
+        gate_up, down = state[f"{experts}.gate_up_proj"], state[f"{experts}.down_proj"]
         for e, expert in enumerate(block.experts):
-            ours = [dequantize(m.qtensor(), torch.float16) for m in (expert.gate_proj, expert.up_proj, expert.down_proj)]
+            parts = (expert.gate_proj, expert.up_proj, expert.down_proj)
+            ours = [dequantize(m.qtensor(), torch.float16) for m in parts]
             assert torch.equal(gate_up[e], torch.cat(ours[:2])) and torch.equal(down[e], ours[2]), (i, e)
         assert torch.equal(state[f"model.layers.{i}.mlp.gate.weight"], block.gate.weight), i
 
@@ -161,10 +163,11 @@ def test_gptq_and_awq_load_in_transformers_through_gptqmodel(name, layout, sym, 
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
-def test_every_default_layout_holds_its_scheme_and_asymmetric_4_bit_is_awq(method):
+def test_every_default_layout_holds_its_scheme_and_asymmetric_4_bit_is_one_vllm_cpu_loads(method):
     """For every (bits, group, sym, act-order, static groups) a method accepts, the default layout's writer takes the
-    scheme's QTensor (act-order: a non-monotonic g_idx); asymmetric 4-bit grouped without a g_idx is AWQ GEMM, the
-    asymmetric layout vLLM's CPU build loads (bench/runtime_compat.py; it refuses gptq_v2)."""
+    scheme's QTensor (act-order: a non-monotonic g_idx); asymmetric 4-bit without a g_idx is AWQ GEMM (grouped) or
+    compressed-tensors (per-channel), the asymmetric layouts vLLM's CPU build loads (bench/runtime_compat.py; it
+    refuses gptq_v2)."""
     from quantkit.config import QuantScheme
     from quantkit.formats.checkpoint import _LAYOUTS
     from tests.quantkit.test_export import act_order_qtensor
@@ -173,7 +176,8 @@ def test_every_default_layout_holds_its_scheme_and_asymmetric_4_bit_is_awq(metho
     for bits in (4, 8):
         for group_size in (32, -1):
             for sym in (True, False):
-                for act, static in ((False, False), (True, False), (True, True)) if method == "gptq" else ((False, False),):
+                orders = ((False, False), (True, False), (True, True)) if method == "gptq" else ((False, False),)
+                for act, static in orders:
                     flat = {"method": method, "bits": bits, "group_size": group_size, "sym": sym, "act_order": act,
                             "static_groups": static}
                     layout = CalibConfig.from_flat(flat).layout
@@ -182,8 +186,8 @@ def test_every_default_layout_holds_its_scheme_and_asymmetric_4_bit_is_awq(metho
                     qt = act_order_qtensor(w, scheme, torch.Generator().manual_seed(1)) if g_idx_on_disk else \
                         quantize_rtn(w, scheme)
                     assert _LAYOUTS[layout].write(qt, "m"), flat  # raises if the layout cannot hold it
-                    if not sym and bits == 4 and group_size != -1 and not g_idx_on_disk:
-                        assert layout == "awq", flat
+                    if not sym and bits == 4 and not g_idx_on_disk and not (act and not static):
+                        assert layout == ("awq" if group_size != -1 else "compressed-tensors"), flat
                     elif sym and method != "awq":
                         assert layout == "gptq", flat
 
@@ -199,7 +203,8 @@ def test_phi3_gptq_act_order_fuses_because_q_k_v_share_one_g_idx(quantized, tmp_
     hf_config = json.loads((folder / "config.json").read_text())
     hf_config.pop("quantization_config")
     tokens = torch.randint(0, 128, (12, 32), generator=torch.Generator().manual_seed(11))
-    cfg = CalibConfig.from_flat({"method": "gptq", "group_size": 32, "act_order": True, "num_samples": 12, "seq_len": 32})
+    cfg = CalibConfig.from_flat({"method": "gptq", "group_size": 32, "act_order": True, "num_samples": 12,
+                                 "seq_len": 32})
     calibrate(model, hf_config, CalibData(tokens, None, torch.full((12,), 32), {}, "tiny"), cfg, progress=False)
     written = qlinear_modules(model)
     assert written["model.layers.0.self_attn.q_proj"].g_idx is not None  # act-order groups really are on disk
