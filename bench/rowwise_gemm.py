@@ -13,28 +13,15 @@ without the epilogue (what it would have to add on top).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import rowwise_gemm
 
-SHAPES = [(576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]
+from cpu_gemm import SHAPES, per_call_us  # bench/cpu_gemm.py: the same shapes, timed the same way
+
 FUSED_ACT = (3072, 576)  # gate|up: the rowwise kernel applies silu(gate) * up in its epilogue
-
-
-def per_call_us(fn, weights: list, repeats: int) -> float:
-    for w in weights[:2]:
-        fn(w)
-    passes = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for w in weights:
-            fn(w)
-        passes.append((time.perf_counter() - start) / len(weights))
-    return statistics.median(passes) * 1e6
 
 
 def main() -> None:
