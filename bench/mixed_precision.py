@@ -17,9 +17,10 @@
    perplexity against the FP16 model on wikitext-2 test (neither the calibration set nor the sensitivity text),
    --eval-windows x 512 tokens, through `quantkit eval`'s runner.
 3. --max-delta: choose_mix's search on the sonnets; every evaluated mix, the chosen one and the next more aggressive.
-4. Both mixes as written (gptq), the 4-bit + float one also exported to compressed-tensors: 8 chat prompts, greedy,
-   32 tokens, in quantkit.LLM fp32 and (as bench/runtime_compat.py runs them, its child mode reused) transformers and
-   vLLM-CPU.
+4. Both mixes as written (gptq), the 4-bit + float one also exported to compressed-tensors, and uniform W4 g64 (what
+   bf16 alone changes): 8 chat prompts, greedy, 32 tokens, in quantkit.LLM fp32, then in bench/runtime_compat.py's
+   child mode: vLLM-CPU greedy (fp32 where it allows, else bf16), transformers fp32 teacher-forced on quantkit's
+   tokens (its argmax at every position). `--runtimes-only` reruns this step on the folders of an earlier run.
 Every figure is printed with the 1-minute load average when it was taken.
 """
 

@@ -391,13 +391,13 @@ def _mixed_precision_section(mixed: dict | None) -> str:
     if search:
         lines += ["", f"Gate `{', '.join(search['thresholds'])}` on a ladder of {search['ladder']} mixes "
                   f"{search['step_bpw']:g} bits per weight apart (bisection; every mix calibrated and evaluated):", "",
-                  "| mix | bits/weight (planned) | bits/weight (stored) | schemes | gated metrics | gate |",
+                  "| mix (ladder position) | bits/weight (planned) | bits/weight (stored) | schemes | gated metrics | gate |",
                   "| --- | ---: | ---: | --- | --- | --- |"]
-        for i, r in enumerate(search["rungs"]):
+        for i, r in enumerate(search["rungs"]):  # the mixes evaluated, in ladder order
             mark = " **(chosen)**" if i == search["chosen"] else " (next more aggressive)" if i == search["failed"] else ""
             metrics = ", ".join(f"{k} {v['delta']:+.4g}{'%' if v['unit'] == '%' else ''}" for k, v in r["metrics"].items())
             counts = ", ".join(f"{k} x{v}" for k, v in r["counts"].items())
-            lines.append(f"| {i + 1}{mark} | {r['planned_bpw']:.4f} | {r['stored_bpw']:.4f} | {counts} | {metrics} | "
+            lines.append(f"| {r['ladder_index'] + 1}{mark} | {r['planned_bpw']:.4f} | {r['stored_bpw']:.4f} | {counts} | {metrics} | "
                          f"{'failed' if r['breaches'] else 'passed'} |")
     columns: list[str] = []
     blocks: dict[str, dict[str, str]] = {}

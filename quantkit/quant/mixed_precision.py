@@ -328,8 +328,8 @@ def search(loaded, calib, cfg: CalibConfig, sack: Knapsack, thresholds, eval_dat
     try:
         def passes(i: int) -> bool:
             if i not in rungs:
-                rungs[i] = evaluate(loaded, calib, cfg, plans[i], sack, thresholds, eval_data, root / f"rung{i}",
-                                    eval_windows, eval_seq_len, not progress)
+                rungs[i] = {"ladder_index": i, **evaluate(loaded, calib, cfg, plans[i], sack, thresholds, eval_data,
+                                                          root / f"rung{i}", eval_windows, eval_seq_len, not progress)}
                 log(f"mix {i + 1}/{len(plans)}: {rungs[i]['planned_bpw']:.4f} bits per weight, "
                     f"{metric_text(rungs[i])}: {gate_text(rungs[i])}")
             return not rungs[i]["breaches"]
