@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from quantkit.config import QuantScheme
 
@@ -85,15 +85,22 @@ RULES: tuple[Rule, ...] = (
          "vllm#39980"),
     Rule("vLLM (CUDA)", (CT,), {}, "yes", "compressed-tensors WNA16 on Marlin (zero points for asymmetric)",
          "vllm marlin_utils"),
-    # vLLM, CPU
+    # vLLM, CPU (0.32, measured by bench/runtime_compat.py: it runs quantized models in bfloat16 only, refusing
+    # float32 for GPTQ / AWQ and failing at the first compressed-tensors forward)
+    Rule("vLLM (CPU)", GPTQ + ("awq", CT), {"bits": 8}, "no",
+         "no 8-bit kernel ('Marlin does not support weight_bits = uint8b128'; compressed-tensors: 'Quant type "
+         "(uint8b128) not supported by CPUWNA16')", MEASURED),
     Rule("vLLM (CPU)", GPTQ, {"sym": False}, "no",
          "refuses asymmetric GPTQ ('Unsupported quantization config: bits=4, sym=False' for w4)", MEASURED),
     Rule("vLLM (CPU)", ("gptq_v2",), {}, "no", "refuses checkpoint_format gptq_v2", MEASURED),
-    Rule("vLLM (CPU)", ("gptq",), {"act_order": False}, "yes", "symmetric GPTQ v1 (group size dividing K)", MEASURED),
-    Rule("vLLM (CPU)", ("gptq",), {}, "unknown", "act-order (desc_act) GPTQ not measured", ""),
-    Rule("vLLM (CPU)", ("awq",), {}, "yes", "AWQ GEMM", MEASURED),
-    Rule("vLLM (CPU)", (CT,), {"sym": True}, "yes", "compressed-tensors W4A16 / W8A16", MEASURED),
-    Rule("vLLM (CPU)", (CT,), {}, "unknown", "asymmetric compressed-tensors not measured", ""),
+    Rule("vLLM (CPU)", ("gptq",), {"act_order": True}, "no",
+         "refuses desc_act ('GPTQ group activation ordering (desc_act=True) is no longer supported'); "
+         "act-order with static groups (no g_idx on disk) loads", MEASURED),
+    Rule("vLLM (CPU)", ("gptq",), {}, "yes", "symmetric GPTQ v1 (group size dividing K), bfloat16", MEASURED),
+    Rule("vLLM (CPU)", ("awq",), {}, "yes", "AWQ GEMM, bfloat16", MEASURED),
+    Rule("vLLM (CPU)", (CT,), {"moe": True}, "unknown", "compressed-tensors MoE experts not measured", ""),
+    Rule("vLLM (CPU)", (CT,), {}, "yes", "compressed-tensors W4A16, symmetric or with zero points, bfloat16",
+         MEASURED),
     # transformers 5.x
     Rule("transformers", (CT,), {"sym": False}, "no",
          "compressed-tensors 0.20.1: weight_zero_point shape mismatch at load (llm-compressor#1618); "
@@ -143,25 +150,41 @@ def compatibility(ck: Checkpoint) -> list[Verdict]:
     return out
 
 
-def runtime_note(ck: Checkpoint) -> str:
-    """One line naming the runtimes that read `ck`, those that do not, and those not known."""
-    by_verdict = {v: [x.runtime for x in compatibility(ck) if x.verdict == v] for v in VERDICTS}
+def combined(cks: Sequence[Checkpoint]) -> list[Verdict]:
+    """Per runtime, the verdict on a checkpoint holding every scheme of `cks` (a mixed-precision folder): "no" when
+    it refuses one of them (that one's reason), "yes" when it loads all, else "unknown"."""
+    out = []
+    for per_scheme in zip(*(compatibility(ck) for ck in cks)):
+        deciding = next((v for verdict in ("no", "unknown") for v in per_scheme if v.verdict == verdict), per_scheme[0])
+        out.append(deciding)
+    return out
+
+
+def runtime_note(*cks: Checkpoint) -> str:
+    """One line naming the runtimes that read a checkpoint of the schemes `cks`, those that do not, and those not
+    known."""
+    verdicts = combined(cks)
+    by_verdict = {v: [x.runtime for x in verdicts if x.verdict == v] for v in VERDICTS}
     parts = [f"{label}: {', '.join(by_verdict[v])}" for v, label in
              (("yes", "loads in"), ("no", "not in"), ("unknown", "unknown for")) if by_verdict[v]]
-    return f"{ck.layout} {describe(ck)}: " + "; ".join(parts) + " (quantkit info DIR says why)"
+    return f"{cks[0].layout} {' + '.join(describe(ck) for ck in cks)}: " + "; ".join(parts) + \
+        " (quantkit info DIR says why)"
 
 
 def written_note(folder: Path) -> str:
-    """runtime_note for a folder quantkit wrote: the layout and scheme of its quantkit.json, MoE from config.json."""
+    """runtime_note for a folder quantkit wrote: the layout and schemes of its quantkit.json (the scheme of every
+    quantized layer where its layer table names them, a mixed-precision checkpoint's), MoE from config.json."""
     from quantkit.files import read_json
     from quantkit.formats.checkpoint import META_FILE
     from quantkit.models import ModelConfig
 
     meta = read_json(Path(folder) / META_FILE)
     s = meta["scheme"]
-    scheme = QuantScheme(s["bits"], s["group_size"], s["sym"], s["act_order"], s["static_groups"])
+    base = QuantScheme(s["bits"], s["group_size"], s["sym"], s["act_order"], s["static_groups"])
+    names = sorted({row["scheme"] for row in meta.get("layers", []) if "scheme" in row}) or [base.precision_name()]
     moe = ModelConfig.from_hf(read_json(Path(folder) / "config.json")).num_experts > 0
-    return runtime_note(Checkpoint.of(meta["layout"], scheme, moe))
+    cks = dict.fromkeys(Checkpoint.of(meta["layout"], base.with_precision(n, META_FILE), moe) for n in names)
+    return runtime_note(*cks)
 
 
 def describe(ck: Checkpoint) -> str:

@@ -24,12 +24,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # (layout, scheme) -> verdict per runtime in RUNTIMES order: vLLM (CUDA), vLLM (CPU), transformers, TGI, SGLang
 EXPECTED = {
     ("gptq", QuantScheme(4, 32, sym=True)): ("yes", "yes", "yes", "yes", "yes"),
-    ("gptq", QuantScheme(4, 32, sym=True, act_order=True)): ("yes", "unknown", "yes", "yes", "yes"),
+    ("gptq", QuantScheme(4, 32, sym=True, act_order=True)): ("yes", "no", "yes", "yes", "yes"),
     ("gptq_v2", QuantScheme(4, 32, sym=False)): ("yes", "no", "yes", "no", "unknown"),
     ("gptq_v2", QuantScheme(8, -1, sym=True)): ("yes", "no", "yes", "unknown", "unknown"),
     ("awq", QuantScheme(4, 64, sym=False)): ("yes", "yes", "yes", "yes", "yes"),
     ("compressed-tensors", QuantScheme(4, 32, sym=True)): ("yes", "yes", "yes", "yes", "yes"),
-    ("compressed-tensors", QuantScheme(8, -1, sym=False)): ("yes", "unknown", "no", "yes", "unknown"),
+    ("compressed-tensors", QuantScheme(4, 32, sym=False)): ("yes", "yes", "no", "yes", "unknown"),
+    ("compressed-tensors", QuantScheme(8, -1, sym=False)): ("yes", "no", "no", "yes", "unknown"),
 }
 RUNTIME_LINE = re.compile(r"^  (?P<runtime>.+?) +(?P<verdict>yes|no|unknown) +(?P<reason>.+)$")
 
@@ -141,3 +142,16 @@ def test_the_transformers_compressed_tensors_rows_hold(sym, tmp_path):
     else:
         with pytest.raises(RuntimeError, match="mismatch"):
             AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def test_a_mixed_checkpoint_is_read_only_where_every_scheme_is(tmp_path):
+    """--target-bpw between W4 g32 and W8 per-channel gives a mix of both: vLLM-CPU has no 8-bit kernel, so the note
+    of the whole folder says it does not read it, though `info` says it reads the W4 layers."""
+    src = save_tiny(tiny_model(), tmp_path / "float")
+    res = CliRunner().invoke(_typer_app, ["calibrate", str(src), "--method", "rtn", "--group-size", "32",
+                                          "--target-bpw", "6", "--mix-schemes", "w4g32,w8ch", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert ("gptq w4 g32 sym + w8 per-channel sym: loads in: vLLM (CUDA), transformers, TGI, SGLang; not in: "
+            "vLLM (CPU) (quantkit info DIR says why)") in res.output.splitlines()
+    rows = runtime_rows(CliRunner().invoke(_typer_app, ["info", str(tmp_path / "o")]).output)
+    assert rows["vLLM (CPU)"][0] == "yes"  # info's first scheme section: the W4 layers
