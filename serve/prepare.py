@@ -11,6 +11,7 @@ Batch-invariant (EngineConfig.batch_invariant, bf16 on CPU with the C kernels): 
 GEMM of kernels/cpu/rowwise_gemm.py instead (every plain Linear, the lm_head included), and step 3 fuses on it on
 any CPU; the attention backend then runs every query row as a decode item (serve/attention.py).
 State-dict keys and parameters are unchanged by all three (the fused weights are views of the parts').
+On CUDA, each MoE block with float or W4/W8 experts runs them as fused grouped GEMMs (serve/moe_fusion.py).
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
         model.set_ops(ops)
     if device.type == "cpu" and dtype == torch.bfloat16 and (cpu_gemm.available() or batch_invariant):
         log.info("fused %d q/k/v and gate/up-SiLU projections", fuse_projections(model))
+    if device.type == "cuda":
+        from quantkit.serve.moe_fusion import fuse_moe  # imports triton: CUDA only
+
+        fused_moe_blocks = fuse_moe(model)
+        if fused_moe_blocks:
+            log.info("MoE: %d blocks run their experts as fused Triton grouped GEMMs", fused_moe_blocks)
     return ops
 
 

@@ -10,20 +10,22 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import exact_bf16_cast, round_to
+
 
 @triton.jit
 def _silu_gate_kernel(
     g_ptr, u_ptr, out_ptr,  # gate [T, I], up [T, I], out [T, I]; columns contiguous
     I, stride_g, stride_u, stride_o,  # row strides
-    BLOCK: tl.constexpr,
+    EXACT_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # silu(gate), rounded like torch
-    tl.store(out_ptr + row * stride_o + offs, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+    a = round_to(g / (1.0 + tl.exp(-g)), out_ptr.dtype.element_ty, EXACT_BF16).to(tl.float32)  # silu(gate), as torch
+    tl.store(out_ptr + row * stride_o + offs, round_to(a * u, out_ptr.dtype.element_ty, EXACT_BF16), mask=mask)
 
 
 def silu_gate(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -35,7 +37,7 @@ def silu_gate(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> torch.
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     block = min(block, triton.next_power_of_2(i))
     _silu_gate_kernel[(g2.shape[0], triton.cdiv(i, block))](
-        g2, u2, out, i, g2.stride(0), u2.stride(0), out.stride(0), BLOCK=block,
+        g2, u2, out, i, g2.stride(0), u2.stride(0), out.stride(0), EXACT_BF16=exact_bf16_cast(gate.dtype), BLOCK=block,
     )
     return out.reshape(gate.shape)
 

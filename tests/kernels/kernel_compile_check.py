@@ -12,7 +12,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from quantkit.kernels.triton import (
-    dequant_gemm, dequant_gemv, dequantize, kv_store, paged_attention, paged_prefill, repack, rmsnorm, silu_gate,
+    dequant_gemm, dequant_gemv, dequantize, fused_moe, kv_store, paged_attention, paged_prefill, repack, rmsnorm,
+    silu_gate,
 )
 
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory one program may use
@@ -80,13 +81,36 @@ def attention_and_layer_kernels(arch: int) -> None:
                 dict(HEAD_DIM=128, NUM_ELEMS=1024, BLOCK=1024), wide=("stride_cb",))
     compile_for(arch, rmsnorm._rmsnorm_kernel, act_ptrs("bf16", "x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"),
                 dict(HAS_RESIDUAL=True, BLOCK_H=4096), floats=("eps",), warps=16)
-    compile_for(arch, silu_gate._silu_gate_kernel, act_ptrs("fp16", "g_ptr", "u_ptr", "out_ptr"), dict(BLOCK=1024))
+    compile_for(arch, silu_gate._silu_gate_kernel, act_ptrs("fp16", "g_ptr", "u_ptr", "out_ptr"),
+                dict(EXACT_BF16=False, BLOCK=1024))
+
+
+def moe_kernels(arch: int) -> None:
+    # the grouped expert GEMM: bf16 gate/up (rows of x by slot // k) at the large-batch tile; bf16 and fp32 (IEEE
+    # dot) down projections with the routing weight, at the decode tile (fused_moe.default_config); W4 g128
+    # act-order packed experts (PackedExperts) at both tiles
+    plain = dict(PACKED=False, BITS=4, GROUP_K=1, SYM=True, HAS_PERM=False)
+    w4 = dict(PACKED=True, BITS=4, GROUP_K=128, SYM=False, HAS_PERM=True)
+    for dtype, row_div, weighted, ieee, weight, (bm, bn, bk) in [("bf16", 2, False, False, plain, (64, 64, 32)),
+                                                                 ("bf16", 1, True, False, plain, (16, 32, 64)),
+                                                                 ("fp32", 1, True, True, plain, (16, 32, 64)),
+                                                                 ("bf16", 2, False, False, w4, (64, 64, 32)),
+                                                                 ("fp16", 1, True, False, w4, (16, 32, 64))]:
+        packed = weight["PACKED"]
+        compile_for(arch, fused_moe._expert_gemm_kernel,
+                    {**act_ptrs(dtype, "a_ptr", "out_ptr"), "w_ptr": "i32" if packed else dtype,
+                     "s_ptr": "fp16" if packed else dtype, "z_ptr": "u8" if packed else dtype,
+                     "perm_ptr": "i32" if packed else dtype, "rw_ptr": "fp32", "slots_ptr": "i32",
+                     "block_expert_ptr": "i32"},
+                    dict(ROW_DIV=row_div, MUL_WEIGHT=weighted, FP32_DOT=False, IEEE=ieee, EXACT_BF16=False, **weight,
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk))
 
 
 def main(arch: int) -> None:
     assert not triton.knobs.runtime.interpret, "run without TRITON_INTERPRET=1"
     dequant_gemm_kernels(arch)
     attention_and_layer_kernels(arch)
+    moe_kernels(arch)
     print(f"compiled {len(COMPILED)} kernels for sm_{arch}")
 
 
