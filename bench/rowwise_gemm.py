@@ -12,23 +12,18 @@ without the epilogue (what it would have to add on top).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import rowwise_gemm
 
-from cpu_gemm import SHAPES, per_call_us  # bench/cpu_gemm.py: the same shapes, timed the same way
+from cpu_gemm import SHAPES, arguments, layer_weights, onednn_us, per_call_us  # bench/cpu_gemm.py: the same runs
 
 FUSED_ACT = (3072, 576)  # gate|up: the rowwise kernel applies silu(gate) * up in its epilogue
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,8,64,256")
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    args = arguments(__doc__, "1,8,64,256")
     if not rowwise_gemm.available():
         raise SystemExit("the rowwise GEMM did not build here (no C compiler?)")
     with open("/proc/loadavg") as f:
@@ -37,15 +32,12 @@ def main() -> None:
     print("|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
-        copies = 4 if n * k > 10_000_000 else 30
-        weights = [(torch.randn(n, k, generator=gen) * 0.05).bfloat16() for _ in range(copies)]
+        weights = layer_weights(n, k, gen)
         act = (n, k) == FUSED_ACT
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, generator=gen).bfloat16()
-            onednn = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in weights]
             vnni = [cpu_gemm.pack_bf16(w) for w in weights]
-            t_onednn = per_call_us(lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), onednn,
-                                   args.repeats)
+            t_onednn = onednn_us(x, weights, args.repeats)
             t_rows = per_call_us(lambda w: rowwise_gemm.matmul(x, w, act=act), vnni, args.repeats)
             label = f"{n} x {k}" + (" (+SiLU)" if act else "")
             print(f"| {label} | {m} | {t_onednn:.0f} | {t_rows:.0f} | {t_rows / t_onednn:.2f}x |", flush=True)

@@ -37,6 +37,7 @@ from quantkit.models.registry import arch_spec
 from quantkit.quant.activation_store import INPUTS, NEXT, Activations, Successor, fits
 from quantkit.quant.awq import AWQ, accumulate_magnitude
 from quantkit.quant.gptq import GPTQ, accumulate_hessian, finish_hessian
+from quantkit.quant.hooked_pass import ForwardDone, hooked_pass
 from quantkit.quant.lazy_weights import LazyWeights
 from quantkit.quant.moe_calibration import force_starved_experts, resolve_min_tokens, stats_report
 from quantkit.quant.resume import WorkFolder
@@ -68,10 +69,6 @@ class InputStats:
 
     def magnitude(self) -> torch.Tensor:
         return self.abs_sum / max(self.tokens, 1)
-
-
-class _StageDone(Exception):
-    """Raised by a hook once every Linear of the stage has seen its input: the rest of the block is skipped."""
 
 
 class Replay:
@@ -190,8 +187,7 @@ def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: tor
     Linear that was never called: an expert no token reached). router: the block's MoE router, whose output says
     which tokens each expert's input rows are."""
     stats: dict[str, InputStats] = {}
-    seen: dict[int, tuple[torch.Tensor, InputStats]] = {}  # this batch: id(input) -> its stats
-    batch: dict = {}
+    batch: dict = {}  # this batch's mask, range, Linears called, routed rows, and seen: id(input) -> (input, stats)
 
     def counted(name: str, inp: torch.Tensor) -> tuple[torch.Tensor, int]:
         """-> (the rows of inp [..., K] that count [T, K], how many samples they come from)."""
@@ -207,7 +203,7 @@ def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: tor
 
     def hook(name):
         def record(module, args):
-            inp = args[0]
+            inp, seen = args[0], batch["seen"]
             if id(inp) in seen:
                 stats.setdefault(name, seen[id(inp)][1])
             else:
@@ -221,7 +217,7 @@ def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: tor
                 seen[id(inp)] = (inp, st)
             batch["called"].add(name)
             if len(batch["called"]) == len(names):
-                raise _StageDone
+                raise ForwardDone
         return record
 
     moe_path = router.rpartition(".")[0]
@@ -230,22 +226,8 @@ def capture_stage(block: nn.Module, names: list[str], x: torch.Tensor, mask: tor
         moe = block.get_submodule(moe_path)
         batch["routed"] = {f"{moe_path}.experts.{e}": tokens for e, tokens, _ in moe.groups(moe.select(logits)[1])}
 
-    handles = [block.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
-    if router:
-        handles.append(block.get_submodule(router).register_forward_hook(route))
-    try:
-        for b0 in range(0, x.shape[0], batch_size):
-            b1 = min(b0 + batch_size, x.shape[0])
-            batch.update(mask=mask[b0:b1].to(device), range=f"{b0}-{b1 - 1}", called=set(), routed={})
-            seen.clear()
-            try:
-                block(x[b0:b1].to(device), positions)
-            except _StageDone:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
-        seen.clear()
+    hooked_pass(block, {n: hook(n) for n in names}, {router: route} if router else {}, x, mask, positions, batch_size,
+                device, batch, fresh=lambda: {"called": set(), "routed": {}, "seen": {}})
     return stats
 
 

@@ -239,23 +239,6 @@ def check_request(cfg: CalibConfig, target_bpw: Optional[float], max_delta: Sequ
         raise QuantkitError("format awq holds one scheme for every layer: write a mix as --format gptq, gptq_v2 or "
                             "compressed-tensors")
     return [parse_threshold(t) for t in max_delta]
-    log(f"sensitivity: {len(table.linears)} Linears, proxy vs measured KL Spearman rho "
-        f"{table.rank_correlation():.3f} ({table.tokens['kl']} held-out tokens per KL)")
-    float_bits = torch.finfo(base_dtype(loaded.hf_config)).bits
-    sack = Knapsack(items(loaded.model, model_type, table, cfg.scheme, cfg.layout, float_bits, schemes))
-    record = {"sensitivity": {"tokens": table.tokens, "source": table.source,
-                              "rank_correlation": table.rank_correlation()}}
-    if target_bpw is not None:
-        plan = sack.plan(target_bpw)
-        if all(key == FLOAT for key in plan.values()):
-            raise QuantkitError(f"--target-bpw {target_bpw:g} keeps every Linear in float: nothing to quantize")
-        record["target_bpw"] = target_bpw
-    else:
-        plan, record["search"] = search(loaded, calib, cfg, sack, thresholds, eval_data, log, scratch, step_bpw,
-                                        eval_windows, eval_seq_len, progress)
-    record.update(planned_bpw=sack.bpw(plan), estimated_kl=sack.loss(plan), counts=counts(plan),
-                  layers=layer_rows(table, plan))
-    return Mix(dataclasses.replace(cfg, layer_schemes=layer_schemes(plan, cfg.scheme)), record)
 
 
 def eval_file(eval_data: Optional[str]) -> Path:

@@ -30,6 +30,7 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.quant.awq import accumulate_magnitude
 from quantkit.quant.gptq import accumulate_hessian, finish_hessian
+from quantkit.quant.hooked_pass import ForwardDone, hooked_pass
 
 
 def resolve_min_tokens(min_tokens: Optional[int], hidden_size: int) -> int:
@@ -100,10 +101,6 @@ def starved_experts(stage: list[str], stats: dict, experts: str, min_tokens: int
     return out
 
 
-class _ExpertsDone(Exception):
-    """Raised by the router hook once the starved experts have run on the batch: the rest of the block is skipped."""
-
-
 def force_starved_experts(block: nn.Module, stage: list[str], stats: dict, x: torch.Tensor, mask: torch.Tensor,
                           positions: torch.Tensor, needs: tuple[str, ...], batch_size: int, prefix: str, device,
                           bspec, min_tokens: int) -> dict[str, ForcedStats]:
@@ -115,7 +112,7 @@ def force_starved_experts(block: nn.Module, stage: list[str], stats: dict, x: to
         return {}
     moe = block.get_submodule(bspec.router.rpartition(".")[0])
     forced: dict[str, ForcedStats] = {}
-    current: dict = {}  # the expert call in progress: its token weights [T] and id(input) -> stats
+    current: dict = {}  # the batch's mask and range; the expert call running: its token weights [T], id(input) -> stats
     reference: dict[int, float] = {}  # expert -> the log p its weights are relative to (its first batch's max)
 
     def hook(name):
@@ -140,28 +137,17 @@ def force_starved_experts(block: nn.Module, stage: list[str], stats: dict, x: to
     def route(module, args, logits):
         keep = current["mask"].reshape(-1)  # [T_all] the tokens that count
         if not bool(keep.any()):
-            raise _ExpertsDone
+            raise ForwardDone
         tokens = args[0].reshape(-1, args[0].shape[-1])[keep]  # [T, H]
         logp = torch.log_softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)[keep]  # [T, E]
         for e in starved:
             ref = reference.setdefault(e, float(logp[:, e].max()))
             current.update(w=torch.exp(logp[:, e] - ref), seen={})
             moe.experts[e](tokens)
-        raise _ExpertsDone
+        raise ForwardDone  # the starved experts have run on the batch: the rest of the block is skipped
 
-    handles = [block.get_submodule(n).register_forward_pre_hook(hook(n)) for names in starved.values() for n in names]
-    handles.append(block.get_submodule(bspec.router).register_forward_hook(route))
-    try:
-        for b0 in range(0, x.shape[0], batch_size):
-            b1 = min(b0 + batch_size, x.shape[0])
-            current.update(mask=mask[b0:b1].to(device), range=f"{b0}-{b1 - 1}")
-            try:
-                block(x[b0:b1].to(device), positions)
-            except _ExpertsDone:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
+    hooked_pass(block, {n: hook(n) for names in starved.values() for n in names}, {bspec.router: route}, x, mask,
+                positions, batch_size, device, current)
     return forced
 
 

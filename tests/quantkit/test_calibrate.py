@@ -160,22 +160,16 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-def test_recipe_errors_name_file_line_and_key(tmp_path):
-    bad = write(tmp_path / "bad.yaml", "method: gptq\nbits: 4\ngroup_sise: 64\n")
-    with pytest.raises(QuantkitError, match=r"bad\.yaml:3: unknown key 'group_sise'"):
-        load_recipe(bad)
-    typed = write(tmp_path / "typed.yaml", "method: gptq\nbits: four\n")
-    with pytest.raises(QuantkitError, match=r"typed\.yaml:2: bits must be int, got 'four'"):
-        load_recipe(typed)
-    nested = write(tmp_path / "nested.yaml", "method: gptq\nscheme:\n  bits: 4\n")
-    with pytest.raises(QuantkitError, match=r"nested\.yaml:2: key 'scheme': recipes are flat"):
-        load_recipe(nested)
-    combo = write(tmp_path / "combo.yaml", "method: gptq\nsym: false\nformat: gptq\n")
-    with pytest.raises(QuantkitError, match=r"combo\.yaml: format gptq \(v1\) stores zero - 1"):
-        load_recipe(combo)
-    gate = write(tmp_path / "gate.yaml", "method: gptq\nmax_delta: {ppl: lots}\n")
-    with pytest.raises(QuantkitError, match=r"gate\.yaml:2"):
-        load_recipe(gate)
+@pytest.mark.parametrize("name,text,message", [
+    ("bad.yaml", "method: gptq\nbits: 4\ngroup_sise: 64\n", r"bad\.yaml:3: unknown key 'group_sise'"),
+    ("typed.yaml", "method: gptq\nbits: four\n", r"typed\.yaml:2: bits must be int, got 'four'"),
+    ("nested.yaml", "method: gptq\nscheme:\n  bits: 4\n", r"nested\.yaml:2: key 'scheme': recipes are flat"),
+    ("combo.yaml", "method: gptq\nsym: false\nformat: gptq\n", r"combo\.yaml: format gptq \(v1\) stores zero - 1"),
+    ("gate.yaml", "method: gptq\nmax_delta: {ppl: lots}\n", r"gate\.yaml:2"),
+])
+def test_recipe_errors_name_file_line_and_key(tmp_path, name, text, message):
+    with pytest.raises(QuantkitError, match=message):
+        load_recipe(write(tmp_path / name, text))
 
 
 def test_flags_override_recipe_and_build_the_same_config(tmp_path):
