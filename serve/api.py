@@ -30,6 +30,7 @@ from quantkit.serve.api_generate import (
     prepare_chat, prepare_completion, stream_events, tokenize_text, unless_disconnected,
 )
 from quantkit.serve.metrics import ServerMetrics
+from quantkit.serve.tool_parsers import choose as choose_tool_parser
 from quantkit.serve.protocol import (
     MAX_REQUEST_BYTES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
     TokenizeRequest, parse_request,
@@ -135,15 +136,19 @@ async def read_body(raw_request: Request, max_bytes: int) -> bytes:
 
 def build_app(engine, tokenizer, served_model_name: str, max_model_len: int, api_key: str | None = None,
               chat_template: str | None = None, model_info: dict[str, str] | None = None,
-              max_request_bytes: int = MAX_REQUEST_BYTES, metrics_prefix: str = "quantkit") -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES, metrics_prefix: str = "quantkit",
+              tool_call_parser: str = "auto") -> FastAPI:
     """The FastAPI app serving `engine` (an EngineFrontend) under the name `served_model_name`.
 
     chat_template: a Jinja template used instead of the tokenizer's. model_info: labels of the
     quantkit:model_info gauge (e.g. source, quantization). metrics_prefix: quantkit or vllm (metrics.py).
+    tool_call_parser: hermes, llama3_json, mistral, or auto (the chat template's family; tool_parsers.py).
     app.state.admission drains it (server.py).
     """
     metrics = ServerMetrics(served_model_name, model_info or {}, max_model_len, metrics_prefix)
-    serving = Serving(engine, tokenizer, served_model_name, max_model_len, chat_template, metrics)
+    parser = choose_tool_parser(tool_call_parser, chat_template or getattr(tokenizer, "chat_template", None))
+    log.info("tool calls: the %s parser (--tool-call-parser %s)", parser.name, tool_call_parser)
+    serving = Serving(engine, tokenizer, served_model_name, max_model_len, chat_template, metrics, parser)
     admission = Admission()
     created = int(time.time())
     app = FastAPI(title="quantkit", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)

@@ -19,8 +19,7 @@ import uuid
 
 import numpy as np
 
-from quantkit.serve.api_generate import Serving, check_extra_fields, check_model, tokenize_text
-from quantkit.serve.async_engine import EngineDeadError, RequestFailedError
+from quantkit.serve.api_generate import Serving, aborted_by_shutdown, check_model, engine_errors, tokenize_text
 from quantkit.serve.pooling import EmbeddingJob, EmbeddingOutput
 from quantkit.serve.protocol import APIError, EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from quantkit.serve.validation import validate_embedding_input
@@ -58,7 +57,6 @@ def input_token_ids(serving: Serving, request: EmbeddingRequest) -> list[list[in
 
 def prepare_embeddings(serving: Serving, request: EmbeddingRequest) -> tuple[str, list[EmbeddingJob]]:
     check_model(serving, request.model)
-    check_extra_fields(request)
     hidden_size = serving.engine.hidden_size
     if request.dimensions is not None and request.dimensions != hidden_size:
         raise APIError(400, f'Model "{serving.model_name}" does not support matryoshka representation, changing '
@@ -72,18 +70,13 @@ async def run_jobs(serving: Serving, request_id: str, jobs: list[EmbeddingJob]) 
     """Every job's output, in order; any failure (or cancellation) drops the jobs not done from the engine."""
     tasks = [asyncio.ensure_future(serving.engine.embed(f"{request_id}-{i}", job)) for i, job in enumerate(jobs)]
     try:
-        outputs = await asyncio.gather(*tasks)
-    except ValueError as e:  # the engine refused a job (its id is in use)
-        raise APIError(400, str(e)) from None
-    except RequestFailedError as e:  # the forward running it raised: the engine logged it and goes on
-        raise APIError(500, f"The engine failed while embedding the input: {e}") from None
-    except EngineDeadError as e:
-        raise APIError(503, str(e)) from None
+        with engine_errors("embedding the input"):
+            outputs = await asyncio.gather(*tasks)
     finally:
         for task in tasks:  # no-op for the finished ones; the others leave the engine's queue
             task.cancel()
     if any(out is None for out in outputs):
-        raise APIError(503, "The request was aborted before it finished: the server is shutting down.")
+        raise aborted_by_shutdown()
     return outputs
 
 

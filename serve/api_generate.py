@@ -14,13 +14,14 @@ or named tool_choice is a grammar too), and a choice that called tools finishes 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from quantkit.serve.api_logprobs import TokenTexts
 from quantkit.serve.async_engine import EngineDeadError, RequestFailedError
@@ -34,13 +35,13 @@ from quantkit.serve.protocol import (
 from quantkit.serve import tools as tool_calls
 from quantkit.serve.sampling_params import SamplingParams
 from quantkit.serve.structured import GuidedDecoding
+from quantkit.serve.tool_parsers import ToolParser
 from quantkit.serve.validation import ValidRequest, fitting_max_tokens, validate_request
 
 logger = logging.getLogger("quantkit.serve.api")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 PREPARE_THREADS = 4  # requests parsed, tokenized and templated at once; more wait their turn
-UNKNOWN_FIELDS_LOGGED = 20
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Serving:
     max_model_len: int
     chat_template: str | None
     metrics: ServerMetrics
+    tool_parser: ToolParser  # the chat template family's (tool_parsers.choose)
 
     def __post_init__(self):
         self.token_texts = TokenTexts(self.tokenizer)
@@ -90,35 +92,9 @@ def check_model(serving: Serving, name: str | None) -> None:
         raise APIError(404, f"The model `{name}` does not exist.", "model")
 
 
-# OpenAI / vLLM request fields with a meaning this server does not implement: a client that sets one expects its
-# effect (a bias, a beam search), so it is a 400 naming the field, never a silent drop. A value that asks for
-# nothing (null, empty, the default) passes. Fields neither API defines are logged and ignored (SERVING.md).
-# Structured output (response_format, guided_*, structured_outputs) is served (structured.py); tools, tool_choice
-# and parallel_tool_calls are served on the chat route (tools.py), where ChatCompletionRequest declares them: on
-# /v1/completions they are extras, and refused here.
-UNSUPPORTED_FIELDS = {
-    "tools": (), "tool_choice": ("none", "auto"), "functions": (), "function_call": ("none", "auto"),
-    "parallel_tool_calls": (True, False), "logit_bias": (), "best_of": (1,), "use_beam_search": (False,),
-    "suffix": ("",), "prediction": (), "modalities": (["text"],), "audio": (),
-}
 # request field -> GuidedDecoding kind (structured.py)
 GUIDED_FIELDS = {"response_format": "response_format", "guided_json": "json", "guided_regex": "regex",
                  "guided_choice": "choice", "guided_grammar": "grammar", "structured_outputs": "structured_outputs"}
-
-
-def check_extra_fields(request: SamplingFields) -> None:
-    """400 for a set field this server does not implement (UNSUPPORTED_FIELDS); log the unknown ones."""
-    if not request.model_extra:
-        return
-    for name, value in request.model_extra.items():
-        if name in UNSUPPORTED_FIELDS and value not in (None, [], {}, *UNSUPPORTED_FIELDS[name]):
-            raise APIError(400, f"`{name}` is not supported by this server", name)
-    unknown = [n for n in request.model_extra if n not in UNSUPPORTED_FIELDS]
-    if unknown:
-        names = sorted(unknown)
-        more = f" (and {len(names) - UNKNOWN_FIELDS_LOGGED} more)" if len(names) > UNKNOWN_FIELDS_LOGGED else ""
-        logger.info("ignoring unknown request fields: %s%s", ", ".join(n[:64] for n in names[:UNKNOWN_FIELDS_LOGGED]),
-                    more)
 
 
 def tokenize_text(serving: Serving, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
@@ -153,10 +129,8 @@ def chat_prompt(serving: Serving, request: ChatCompletionRequest,
     if not template:
         raise APIError(400, "This model has no chat template: start the server with --chat-template FILE, "
                             "or use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
-                 **{k: v for k, v in (m.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}}
-                for m in request.messages]
-    messages, tool_kwargs = tool_calls.render_messages(messages, tools, template)
+    messages = [m.for_template() for m in request.messages]
+    messages, tool_kwargs = tool_calls.render_messages(messages, tools, template, serving.tool_parser)
     try:
         text = serving.tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False, **tool_kwargs,
@@ -253,10 +227,10 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 class Generation:
     """The engine requests of one API request; abandoning the iteration aborts the unfinished ones."""
 
-    def __init__(self, serving: Serving, request_id: str, prompts: list[Prompt], parse_tools: bool = False):
+    def __init__(self, serving: Serving, request_id: str, prompts: list[Prompt], tool_parser: ToolParser | None = None):
         self.serving = serving
         self.prompts = prompts
-        self.parse_tools = parse_tools  # chat with tools: tool calls are parsed out of the output (tools.py)
+        self.tool_parser = tool_parser  # chat with tools: parses tool calls out of the output (tools.py)
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.trackers = [RequestTracker(serving.metrics) for _ in prompts]
 
@@ -265,21 +239,36 @@ class Generation:
         streams = [engine.generate_validated(rid, p.request, prompt=p.text)
                    for rid, p in zip(self.engine_ids, self.prompts)]
         try:
-            async for i, out in _merge(streams):
-                self.trackers[i].observe(out)
-                yield i, out
-        except ValueError as e:  # the engine refused the request (its id is in use)
-            raise APIError(400, str(e)) from None
-        except RequestFailedError as e:  # a step running it raised: the engine logged it and goes on
-            raise APIError(500, f"The engine failed while running the request: {e}") from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e)) from None
+            with engine_errors("running the request"):
+                async for i, out in _merge(streams):
+                    self.trackers[i].observe(out)
+                    yield i, out
         finally:
             for rid, tracker in zip(self.engine_ids, self.trackers):
                 if not tracker.done:
                     engine.abort(rid)
         if not all(tracker.done for tracker in self.trackers):  # streams ended unfinished: the engine aborted them
-            raise APIError(503, "The request was aborted before it finished: the server is shutting down.")
+            raise aborted_by_shutdown()
+
+
+@contextlib.contextmanager
+def engine_errors(failed_while: str) -> Iterator[None]:
+    """The engine's exceptions inside the block as API errors: 400 when it refuses a request (its id is in use),
+    500 "The engine failed while {failed_while}: ..." when the step running it raised (the engine logged it and goes
+    on), 503 when the engine is dead."""
+    try:
+        yield
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    except RequestFailedError as e:
+        raise APIError(500, f"The engine failed while {failed_while}: {e}") from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from None
+
+
+def aborted_by_shutdown() -> APIError:
+    """A request whose engine work ended unfinished: the engine aborts everything when the server shuts down."""
+    return APIError(503, "The request was aborted before it finished: the server is shutting down.")
 
 
 async def unless_disconnected(raw_request, work):
@@ -326,7 +315,6 @@ async def stream_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def prepare_completion(serving: Serving, request: CompletionRequest) -> tuple[str, Generation]:
     check_model(serving, request.model)
-    check_extra_fields(request)
     if request.suffix is not None:
         raise APIError(400, "suffix: is not supported", "suffix")
     requested = request.requested_max_tokens()
@@ -431,18 +419,19 @@ def _usage(generation: Generation, outputs) -> UsageInfo:
 
 def prepare_chat(serving: Serving, request: ChatCompletionRequest) -> tuple[str, Generation]:
     check_model(serving, request.model)
-    check_extra_fields(request)
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
-    tools = tool_calls.plan(request)
+    tools = tool_calls.plan(request, serving.tool_parser)
     token_ids, text = chat_prompt(serving, request, tools.tools)
     requested = request.requested_max_tokens()
     max_tokens = fitting_max_tokens(len(token_ids), serving.max_model_len) if requested is None else requested
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, max_tokens, logprobs, None, tools.guided)
+    if tools.parser is not None:  # a family's call marker may be a special token (tools.py)
+        params = replace(params, skip_special_tokens=False)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     return request_id, Generation(serving, request_id, [Prompt(serving.validated(token_ids, params), text)],
-                                  parse_tools=tools.parse)
+                                  tool_parser=tools.parser)
 
 
 def _chat_logprobs(serving: Serving, request: ChatCompletionRequest, completion, start: int):
@@ -459,7 +448,7 @@ async def chat_response(serving: Serving, request: ChatCompletionRequest, reques
         final = out
     choices = []
     for c in sorted(final.outputs, key=lambda c: c.index):
-        content, calls = tool_calls.parse_tool_calls(c.text) if generation.parse_tools else (c.text, [])
+        content, calls = generation.tool_parser.parse(c.text) if generation.tool_parser else (c.text, [])
         choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls or None),
                                   logprobs=_chat_logprobs(serving, request, c, 0),
                                   finish_reason="tool_calls" if calls else c.finish_reason, stop_reason=c.stop_reason))
@@ -488,14 +477,16 @@ async def chat_stream(serving: Serving, request: ChatCompletionRequest, request_
         for c in out.outputs:
             if finished[c.index]:
                 continue
-            shown = len(c.text) if c.finished or not generation.parse_tools else tool_calls.streamable(c.text)
+            parser = generation.tool_parser
+            shown = len(c.text) if c.finished or parser is None else parser.streamable(c.text)
             delta = c.text[text_sent[c.index]:shown]
             if not (delta or len(c.token_ids) > tokens_sent[c.index] or c.finished):
                 continue
             logprobs = _chat_logprobs(serving, request, c, tokens_sent[c.index])
             message, finish_reason = DeltaMessage(content=delta), c.finish_reason
-            if c.finished and generation.parse_tools:
-                message, finish_reason = _final_tool_delta(c.text, text_sent[c.index], message, finish_reason)
+            if c.finished and parser is not None:
+                message, finish_reason = _final_tool_delta(parser, c.text, text_sent[c.index], message,
+                                                           finish_reason)
             text_sent[c.index], tokens_sent[c.index] = max(shown, text_sent[c.index]), len(c.token_ids)
             finished[c.index] = c.finished
             yield chunk(ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs,
@@ -505,9 +496,9 @@ async def chat_stream(serving: Serving, request: ChatCompletionRequest, request_
                                       usage=_usage(generation, [final])))
 
 
-def _final_tool_delta(text: str, sent: int, message: DeltaMessage, finish_reason):
+def _final_tool_delta(parser: ToolParser, text: str, sent: int, message: DeltaMessage, finish_reason):
     """The last delta of a streamed choice that may hold tool calls: the content not sent yet, and the calls."""
-    content, calls = tool_calls.parse_tool_calls(text)
+    content, calls = parser.parse(text)
     if not calls:
         return message, finish_reason
     rest = (content or "")[sent:] if (content or "").startswith(text[:sent]) else ""

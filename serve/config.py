@@ -35,6 +35,8 @@ class EngineConfig:
     tensor_parallel_size: ranks the model is split over (serve/tp_group.py: rank 0 runs the engine, the others
     are worker processes; torch.distributed, gloo on CPU, nccl on CUDA); not with speculative decoding yet.
     pooling: how /v1/embeddings pools the final-normed hidden states of an input (POOLING_METHODS).
+    cuda_graphs: a CUDA runner captures and replays one graph per decode batch bucket (serve/cuda_graphs.py); off
+    by default until it has been measured on a GPU (it has not: BENCHMARKS.md); CPU steps are always eager.
     """
 
     block_size: int = 16
@@ -61,6 +63,7 @@ class EngineConfig:
     batch_invariant: bool = True
     pooling: str = "last"
     tensor_parallel_size: int = 1
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.speculative_method is None and self.speculative_model is not None:

@@ -20,6 +20,7 @@ from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, Tri
 from quantkit.serve.capacity import capacity_line, kv_bytes_per_token, num_kv_blocks
 from quantkit.serve.config import EngineConfig
 from quantkit.serve.cpu_threads import ThreadGovernor
+from quantkit.serve.cuda_graphs import DecodeGraphs, decode_graphs_wanted
 from quantkit.kernels.cpu.paged_decode import load_decode_kernel, load_rows_kernel
 from quantkit.kernels.cpu.paged_prefill import load_prefill_kernel
 from quantkit.serve.prepare import batch_invariant_mode, prepare_model
@@ -98,15 +99,29 @@ class ModelRunner:
                 f"max_model_len={max_model_len}: raise --kv-cache-memory (or --gpu-memory-utilization) or lower "
                 f"--max-model-len"
             )
-        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_pool = torch.empty(shape, dtype=dtype, device=self.device)
+        self._allocate_kv(padding_block=decode_graphs_wanted(self))
+        self.threads = ThreadGovernor.for_device(self.device)  # CPU: threads to the cores others leave free
+        log.info(capacity_line(self.num_blocks, self.block_size, max_model_len))
+
+    def _allocate_kv(self, padding_block: bool) -> None:
+        """The KV pool [layers, 2, num_blocks (+ 1: the padding block), block_size, Hkv, D] and the attention
+        backend over it; with the padding block, self.graphs runs decode steps bucketed (serve/cuda_graphs.py)."""
+        shape = (self.num_layers, 2, self.num_blocks + int(padding_block), self.block_size, self.num_kv_heads,
+                 self.head_dim)
+        self.kv_pool = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(self.num_layers)]
         if self.device.type == "cpu":
             for cache in (c for pair in self.kv_caches for c in pair):  # the low block ids of every cache
                 prefault(cache, PREFAULT_BYTES // (2 * self.num_layers))
         self.attn = self._backend(self.kv_caches)
-        self.threads = ThreadGovernor.for_device(self.device)  # CPU: threads to the cores others leave free
-        log.info(capacity_line(self.num_blocks, self.block_size, max_model_len))
+        capture = self.device.type == "cuda" and self.cfg.cuda_graphs
+        self.graphs = DecodeGraphs(self, capture) if padding_block else None
+
+    def use_padded_decode(self) -> None:
+        """Run decode-only steps through DecodeGraphs' padded buffers from now on (on CPU eagerly: what the tests
+        of its input path run). Only before the first step: the KV pool is allocated anew, with the padding block."""
+        if self.graphs is None:
+            self._allocate_kv(padding_block=True)
 
     @property
     def capacity_tokens(self) -> int:
@@ -301,6 +316,9 @@ class ModelRunner:
             src = torch.tensor([c[0] for c in blocks_to_copy], device=self.device)
             dst = torch.tensor([c[1] for c in blocks_to_copy], device=self.device)
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
+        bucket = self.graphs.bucket(batch) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.logits(batch.input_ids, batch.positions, batch.meta, bucket)
         self.attn.begin_step(batch.meta)
         return self.model(batch.input_ids, batch.positions, self.attn, batch.logits_indices)
 

@@ -3,7 +3,12 @@
 Requests: parse_request takes the raw body. It must be JSON (no NaN or Infinity, no number beyond a double), an
 object, nested at most MAX_JSON_DEPTH levels, every string valid Unicode (a lone surrogate such as "\\ud800" is
 refused: no tokenizer or encoder takes it); names (model, user, role) hold at most MAX_NAME_CHARS characters.
-Unknown fields are accepted and ignored (the handler logs them); numeric fields are strict (a string or a bool
+Every request object, nested ones included (messages, their content parts and tool_calls, tools, tool_choice,
+response_format, structured_outputs, stream_options), takes only the fields its model declares (OpenAI's and
+vLLM's fields for it that this server serves or refuses by name): any other is a 400 naming its path
+("messages.0.foo"), never dropped. A declared field whose effect this server does not implement (Unsupported:
+logit_bias, best_of > 1, an assistant message's audio, ...) passes only when it asks for nothing (null, empty, its
+default), else it is a 400 naming it. Numeric fields are strict (a string or a bool
 where a number belongs is a 400 naming the field). Responses are plain pydantic models dumped to JSON.
 """
 
@@ -16,8 +21,11 @@ import time
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationError, model_serializer,
+    AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationError,
+    model_serializer, with_config,
 )
+from pydantic_core import PydanticCustomError
+from typing_extensions import Required, TypedDict
 
 from quantkit.serve.sampling_params import MAX_LOGPROBS
 
@@ -53,16 +61,59 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class RequestModel(BaseModel):
+    """A request object: a field it does not declare is a 400 naming its path (parse_request)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def Unsupported(*asks_nothing):  # noqa: N802 (a type, used as one)
+    """The type of a field OpenAI or vLLM defines whose effect this server does not implement: null, [], {} or one
+    of `asks_nothing` passes (and is ignored: it asks for nothing); any other value is a 400 naming the field (a
+    client that sets it expects its effect)."""
+
+    def check(value):
+        if value in (None, [], {}, *asks_nothing):
+            return value
+        raise PydanticCustomError("unsupported", "is not supported by this server")
+
+    return Annotated[Any, AfterValidator(check)]
+
+
+class StreamOptions(RequestModel):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
+    continuous_usage_stats: Unsupported(False) = None  # vLLM's: usage in every chunk
 
 
-class SamplingFields(BaseModel):
+@with_config(ConfigDict(extra="forbid"))
+class JsonSchemaFormat(TypedDict, total=False):
+    """response_format.json_schema; the values are checked where the grammar is built (structured.py)."""
+
+    name: Any
+    description: Any
+    schema: Any
+    strict: Any
+
+
+@with_config(ConfigDict(extra="forbid"))
+class ResponseFormat(TypedDict, total=False):
+    type: Required[Any]  # "text" | "json_object" | "json_schema" (structured.py says which it is not)
+    json_schema: JsonSchemaFormat
+
+
+@with_config(ConfigDict(extra="forbid"))
+class StructuredOutputsField(TypedDict, total=False):
+    """vLLM's structured_outputs: exactly one of them set (structured.py checks that and the values)."""
+
+    json: Any
+    regex: Any
+    choice: Any
+    grammar: Any
+    json_object: Any
+
+
+class SamplingFields(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: Name | None = None
     max_tokens: int | None = Field(default=None, strict=True, ge=1)
@@ -86,12 +137,33 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: StrictBool = False  # vLLM's extension: logprob tokens as "token_id:{id}"
     user: Name | None = None
     # structured output (serve/structured.py): at most one of them; checked with the request (SamplingParams.validate)
-    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema"}
+    response_format: ResponseFormat | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema"}
     guided_json: Union[dict[str, Any], str, None] = None  # vLLM's extensions
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's newer form: {"json" | "regex" | "choice" | "grammar"}
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's newer form: {"json" | "regex" | ...}
+    guided_decoding_backend: Unsupported("xgrammar") = None  # vLLM's; xgrammar is the one this server runs
+    # defined by OpenAI or vLLM, not implemented here (a 400 unless they ask for nothing). The chat route declares
+    # and serves tools, tool_choice and parallel_tool_calls (tools.py); completions' suffix is its own field.
+    tools: Unsupported() = None
+    tool_choice: Unsupported("none", "auto") = None
+    parallel_tool_calls: Unsupported(True, False) = None
+    functions: Unsupported() = None
+    function_call: Unsupported("none", "auto") = None
+    logit_bias: Unsupported() = None
+    best_of: Unsupported(1) = None
+    use_beam_search: Unsupported(False) = None
+    suffix: Unsupported("") = None
+    prediction: Unsupported() = None
+    modalities: Unsupported(["text"]) = None
+    audio: Unsupported() = None
+    store: Unsupported(False) = None
+    metadata: Unsupported() = None
+    service_tier: Unsupported("auto", "default") = None
+    include_stop_str_in_output: Unsupported(False) = None
+    spaces_between_special_tokens: Unsupported(True) = None
+    priority: Unsupported(0) = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -107,45 +179,90 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Name
+class ContentPart(RequestModel):
+    """A part of a message's content: text (or an assistant's refusal); OpenAI's other kinds are refused."""
+
+    type: Literal["text", "refusal", "image_url", "input_audio", "file"]
     text: str | None = None
+    refusal: str | None = None
+    image_url: Unsupported() = None  # this server takes text only
+    input_audio: Unsupported() = None
+    file: Unsupported() = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class MessageFunctionCall(RequestModel):
+    name: Name
+    arguments: str  # JSON text, as the response sent it
+
+
+class MessageToolCall(RequestModel):
+    """An entry of an assistant message's tool_calls (a call the model made earlier in the conversation)."""
+
+    id: Name
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
+class ChatMessage(RequestModel):
+    """One message, with the keys OpenAI's and vLLM's message objects define (by role: an assistant's
+    tool_calls and refusal, a tool result's tool_call_id)."""
+
     role: Name
     content: Union[str, list[ContentPart], None] = None
     name: Name | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: Name | None = None
+    refusal: str | None = None
+    audio: Unsupported() = None  # an earlier audio reply: there are none here
+    function_call: Unsupported() = None  # the deprecated form of tool_calls
 
     def text(self) -> str:
-        """The message content as one string (text parts concatenated)."""
+        """The message content as one string (text and refusal parts concatenated)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content if part.type == "text")
+        return "".join((part.text if part.type == "text" else part.refusal) or "" for part in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: role and content, and the other keys it set; a tool call's
+        arguments as an object (the templates of Qwen, Llama 3.1 and Mistral write `arguments | tojson`)."""
+        message = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "refusal"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        return message
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(RequestModel):
     name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
 
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ToolDefinition(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ToolChoiceFunction(RequestModel):
+    name: Name
+
+
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
-    function: dict[str, Any]  # {"name": ...}
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -160,8 +277,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TokenizeRequest(RequestModel):
     model: Name | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -169,10 +285,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool = True
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(RequestModel):
     """/v1/embeddings: OpenAI's fields plus vLLM's truncate_prompt_tokens, add_special_tokens and normalize."""
 
-    model_config = ConfigDict(extra="allow")
     model: Name | None = None
     input: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -183,8 +298,7 @@ class EmbeddingRequest(BaseModel):
     normalize: StrictBool = True  # L2-normalise the pooled vector
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class DetokenizeRequest(RequestModel):
     model: Name | None = None
     tokens: list[StrictInt]
 
@@ -204,8 +318,13 @@ def parse_request(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
     try:
         return model_cls.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        # a field it does not take first: the union members it failed for do not say so (content: "not a string")
+        err = next((x for x in errors if x["type"] in ("extra_forbidden", "unsupported")), errors[0])
         param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"{param}: unrecognized request field: this server does not take it (the README's "
+                                "Serving section lists what it does)", param) from None
         if param in ("prompt", "input"):  # the completions prompt, the embeddings input
             raise APIError(400, f"{param}: must be a string, a list of strings, a list of token ids or a list of "
                                 f"lists of token ids (got {_short(body.get(param))})", param) from None
@@ -256,8 +375,12 @@ def _is_unicode(text: str) -> bool:
 
 
 def _is_union_tag(part) -> bool:
-    """pydantic puts the union member it tried into `loc` ("list[int]"); the field path leaves it out."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+    """pydantic puts the union member it tried into `loc` ("list[int]", "NamedToolChoice"); the field path leaves
+    it out."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool") or part in _TAGS)
+
+
+_TAGS = {"NamedToolChoice"}  # the request models that are union members (tool_choice's)
 
 
 def _short(value: Any) -> str:

@@ -24,6 +24,7 @@ from quantkit.errors import QuantkitError
 from quantkit.serve.config import EngineConfig
 from quantkit.serve.metrics import PREFIXES as METRICS_PREFIXES
 from quantkit.serve.protocol import MAX_REQUEST_BYTES
+from quantkit.serve.tool_parsers import CHOICES as TOOL_CALL_PARSERS
 
 log = logging.getLogger("quantkit.serve")
 
@@ -43,6 +44,7 @@ class ServerOptions:
     max_request_bytes: int = MAX_REQUEST_BYTES
     shutdown_timeout: float = GRACEFUL_SHUTDOWN_S  # seconds in-flight requests get to finish after SIGTERM
     metrics_prefix: str = "quantkit"  # or vllm: /metrics under vLLM's names and labels (metrics.py)
+    tool_call_parser: str = "auto"  # or hermes, llama3_json, mistral (tool_parsers.py)
 
     def __post_init__(self):
         if self.max_request_bytes < 1 or self.shutdown_timeout < 0:
@@ -50,6 +52,9 @@ class ServerOptions:
                                 f"{self.shutdown_timeout}: use at least 1 byte and 0 seconds")
         if self.metrics_prefix not in METRICS_PREFIXES:
             raise QuantkitError(f"--metrics-prefix {self.metrics_prefix}: use one of {', '.join(METRICS_PREFIXES)}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise QuantkitError(f"--tool-call-parser {self.tool_call_parser}: use one of "
+                                f"{', '.join(TOOL_CALL_PARSERS)}")
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -126,7 +131,8 @@ def run_server(options: ServerOptions, engine_config: EngineConfig) -> int:
     name = options.served_model_name or default_served_name(options.model)
     app = build_app(engine, tokenizer, name, engine.max_model_len, api_key=options.api_key,
                     chat_template=chat_template, model_info=model_info(source, hf_config, engine_config),
-                    max_request_bytes=options.max_request_bytes, metrics_prefix=options.metrics_prefix)
+                    max_request_bytes=options.max_request_bytes, metrics_prefix=options.metrics_prefix,
+                    tool_call_parser=options.tool_call_parser)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
     server = DrainingServer(config, engine, app.state.admission, options.shutdown_timeout)

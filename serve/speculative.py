@@ -13,9 +13,13 @@ num_blocks), so it needs no block manager of its own; seq.draft_computed says ho
 Speculation is skipped for a step when more than `speculative_disable_by_batch_size` sequences are decoding
 (the verification pass then costs more than it saves: bench/spec_decode.py measures where), and for a sequence
 whose acceptance rate stays below `speculative_min_acceptance` after MIN_EVIDENCE draft tokens. Sequences with
-penalties or an unmet min_tokens are not speculated (their logits depend on the tokens being drafted), and neither
-are constrained ones (structured output, seq.matcher): their tokens all come from the sampler's masked rows, so
-the grammar holds for every emitted token, and verification needs no mask of its own.
+penalties or an unmet min_tokens are not speculated (their logits depend on the tokens being drafted).
+
+Constrained sequences (structured output, seq.matcher) are speculated under their grammar (structured.py): the
+n-gram proposer keeps only the drafts the grammar accepts, the draft model samples each draft from its own masked
+distribution, and verify masks target row i by the grammar after drafts[:i] (mask_drafts). Greedy acceptance is
+then the masked argmax, and rejection sampling runs on the masked p and q: the emitted tokens have exactly the
+distribution of the masked, non-speculative sampler. The postprocessor advances the matcher by the emitted tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from quantkit.serve.model_runner import ModelRunner
 from quantkit.serve.sampler import sampling_probs
 from quantkit.serve.sequence import Sequence
 from quantkit.serve.spec_decode import ngram_propose, verify_greedy, verify_sampled
+from quantkit.serve.structured import mask_drafts, mask_rows
 
 MIN_EVIDENCE = 16  # draft tokens of a sequence before its acceptance rate may switch speculation off
 
@@ -51,13 +56,18 @@ class NgramProposer:
 
     def propose(self, seqs: list[Sequence], ks: list[int], generator: torch.Generator) -> None:
         for seq, k in zip(seqs, ks):
-            seq.spec_token_ids = ngram_propose(seq.token_ids, k, self.max_n, self.min_n)
+            drafts = ngram_propose(seq.token_ids, k, self.max_n, self.min_n)
+            if seq.matcher is not None:  # a draft the grammar refuses would be rejected: do not verify it
+                del drafts[seq.matcher.valid_prefix(drafts):]
+            seq.spec_token_ids = drafts
             seq.spec_probs = None
 
 
 class DraftModelProposer:
     """A smaller (or quantized) model with the same vocabulary drafts k tokens autoregressively, batched over
-    the sequences: catch up its KV (chunks within the token budget), then k single-token rounds."""
+    the sequences: catch up its KV (chunks within the token budget), then k single-token rounds. A constrained
+    sequence's rows are masked by its grammar each round (the matcher walks the drafts, then rolls back), and its
+    drafting stops early where the grammar terminates."""
 
     def __init__(self, runner: ModelRunner, block_manager, max_num_batched_tokens: int):
         self.runner = runner  # the draft model's runner: num_blocks equal to the target's
@@ -77,6 +87,10 @@ class DraftModelProposer:
         feeds = [([s.token_ids[-1]], s.num_tokens - 1, s.block_table) for s in seqs]
         while active:
             logits = self.runner.last_logits(feeds)  # [len(active), V]
+            guided = [row for row, i in enumerate(active) if seqs[i].matcher is not None]
+            if guided:  # each matcher stands after its sequence's drafts so far
+                logits = logits.clone()
+                mask_rows(logits, guided, [seqs[active[row]].matcher for row in guided])
             still, feeds = [], []
             for row, i in enumerate(active):
                 seq = seqs[i]
@@ -88,11 +102,15 @@ class DraftModelProposer:
                     token = int(torch.multinomial(q.cpu(), 1, generator=seq.generator or generator))
                     probs[i].append(q)
                 drafts[i].append(token)
-                if len(drafts[i]) < ks[i]:
+                # the grammar refuses a masked token only when the mask left nothing; verify rejects it then
+                grammar_open = seq.matcher is None or (seq.matcher.draft(token) and not seq.matcher.terminated)
+                if len(drafts[i]) < ks[i] and grammar_open:
                     still.append(i)
                     feeds.append(([token], seq.num_tokens + len(drafts[i]) - 1, seq.block_table))
             active = still
         for i, seq in enumerate(seqs):
+            if seq.matcher is not None:
+                seq.matcher.undo_drafts()
             seq.spec_token_ids = drafts[i]
             seq.spec_probs = torch.stack(probs[i]) if probs[i] else None
             seq.draft_computed = seq.num_tokens + len(drafts[i]) - 1  # the last draft's KV is not written
@@ -128,7 +146,7 @@ class Speculator:
 
     def eligible(self, seq: Sequence) -> bool:
         params = seq.request.params
-        return (not seq.spec_off and seq.request.forked and not params.has_penalties and seq.matcher is None
+        return (not seq.spec_off and seq.request.forked and not params.has_penalties
                 and seq.num_output_tokens >= params.min_tokens and is_decoding(seq))
 
     def propose(self, running: list[Sequence]) -> None:
@@ -154,6 +172,8 @@ class Speculator:
         drafts, q = seq.spec_token_ids, seq.spec_probs
         seq.spec_token_ids, seq.spec_probs = [], None
         params = seq.request.params
+        if seq.matcher is not None:
+            logits = mask_drafts(logits, seq.matcher, drafts)
         if params.greedy:
             emitted = verify_greedy(logits.max(dim=-1).indices.tolist(), drafts)  # the sampler's tie rule
         else:

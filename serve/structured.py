@@ -17,8 +17,15 @@ JSON schemas are compiled without free whitespace (compact JSON, as vLLM's xgram
 token then moves the output forward, so a bounded schema closes within a bounded number of tokens.
 The model's vocabulary may be larger than the tokenizer's (padded embeddings): TokenizerInfo is built for the
 larger of the two and the padding ids are masked out.
-Speculative decoding does not draft for a constrained sequence (speculative.py): its rows go through the sampler,
-so the mask applies to every token it emits.
+Speculative decoding (speculative.py) drafts for constrained sequences too, as vLLM does with xgrammar: the
+matcher walks the drafts provisionally and rolls back, so outside a proposer or verify call it always stands after
+the sequence's appended tokens:
+
+    GuidedState.valid_prefix(drafts) -> m  # the n-gram proposer keeps the m drafts the grammar accepts
+    GuidedState.draft(token)               # the draft model: its rows masked each round (mask_rows), its
+      .undo_drafts()                       #   tokens walked, and all of them undone after the last round
+    mask_drafts(logits, state, drafts)     # verify: row i of the target's d + 1 rows masked by the grammar after
+                                           #   drafts[:i]; a forbidden draft is then rejected like any other
 """
 
 from __future__ import annotations
@@ -37,14 +44,14 @@ GRAMMAR_CACHE_SIZE = 64  # distinct specs kept compiled (per engine) and built (
 # "response_format" and "structured_outputs" hold the request field as sent (resolved to one of the others here)
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool", "response_format", "structured_outputs")
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # Hermes style (tools.py parses it back)
 
 
 @dataclass(frozen=True)
 class GuidedDecoding:
-    """kind: one of KINDS. value: the schema (dict or JSON text), regex, choices, EBNF text, or for "tool" a list
-    of {"name", "parameters"}. field: the request field it came from (named by a refusal). conflict: another
-    structured-output field the request set as well (a refusal)."""
+    """kind: one of KINDS. value: the schema (dict or JSON text), regex, choices, EBNF text, or for "tool"
+    {"format": [open, arguments key, close], "functions": [{"name", "parameters"}]} (the format of the server's
+    tool parser, tool_parsers.py, which reads the call back). field: the request field it came from (named by a
+    refusal). conflict: another structured-output field the request set as well (a refusal)."""
 
     kind: str
     value: Any
@@ -139,15 +146,15 @@ def _grammar(key: str):
         if not isinstance(value, str) or not value.strip():
             raise ValueError("the grammar must be a non-empty string")
         return xgr.Grammar.from_ebnf(value)
-    if kind == "tool":  # one call of any of the functions: <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>
-        calls = []
-        for function in value:
-            head = TOOL_CALL_OPEN + '{"name": ' + json.dumps(function["name"]) + ', "arguments": '
+    if kind == "tool":  # one call of any of the functions: open + {"name": ..., "<key>": ARGUMENTS} + close
+        (open_, key, close), calls = value["format"], []
+        for function in value["functions"]:
+            head = open_ + '{"name": ' + json.dumps(function["name"]) + f', "{key}": '
             arguments = function.get("parameters") or {"type": "object"}
             calls.append(xgr.Grammar.concat(
                 xgr.Grammar.from_ebnf(f"root ::= {_ebnf_literal(head)}"),
                 xgr.Grammar.from_json_schema(_schema(arguments), any_whitespace=False),
-                xgr.Grammar.from_ebnf(f"root ::= {_ebnf_literal('}' + TOOL_CALL_CLOSE)}"),
+                xgr.Grammar.from_ebnf(f"root ::= {_ebnf_literal('}' + close)}"),
             ))
         return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
     raise ValueError(f"unknown kind {kind!r}")
@@ -160,6 +167,7 @@ class GuidedState:
         self._compiled = compiled
         self.vocab_size = vocab_size  # of the bitmask: max(model, tokenizer)
         self._matcher = matcher
+        self.num_drafted = 0  # draft tokens accepted provisionally (speculation), to roll back
 
     @property
     def matcher(self):
@@ -179,6 +187,32 @@ class GuidedState:
         is outside it: only a sampler bound such as min_tokens banning EOS at the end of the grammar can do that)."""
         matcher = self.matcher
         return not matcher.accept_token(token) or matcher.is_terminated()
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def draft(self, token: int) -> bool:
+        """Accept a draft token provisionally (undo_drafts takes it back); False, the matcher unchanged, when the
+        grammar refuses it or has already terminated."""
+        matcher = self.matcher
+        accepted = not matcher.is_terminated() and matcher.accept_token(token)
+        self.num_drafted += accepted
+        return accepted
+
+    def undo_drafts(self) -> None:
+        """Back to the state after the sequence's appended tokens."""
+        if self.num_drafted:
+            self.matcher.rollback(self.num_drafted)
+            self.num_drafted = 0
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of tokens, in order, the grammar accepts from here (the matcher ends where it started)."""
+        accepted = 0
+        while accepted < len(tokens) and self.draft(tokens[accepted]):
+            accepted += 1
+        self.undo_drafts()
+        return accepted
 
 
 class StructuredOutputs:
@@ -229,3 +263,24 @@ def mask_rows(logits: torch.Tensor, rows: list[int], states: list[GuidedState]) 
     sub = logits[index]
     xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=min(sub.shape[1], vocab_size))
     logits[index] = sub
+
+
+def mask_drafts(logits: torch.Tensor, state: GuidedState, drafts: list[int]) -> torch.Tensor:
+    """Speculative verification. logits [d + 1, V] of the target at the last token and each of the d drafts ->
+    a masked copy whose row i allows what the grammar allows after drafts[:i] (one bitmask for the d + 1 rows).
+    Rows past a draft the grammar refuses, or past its end, stay unmasked: verification stops before it uses them
+    (the refused draft is -inf in its own row, so it is rejected). The matcher ends where it started."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, state.vocab_size)  # all allowed
+    for i in range(len(drafts) + 1):
+        if state.terminated:
+            break
+        state.matcher.fill_next_token_bitmask(bitmask, i)
+        if i == len(drafts) or not state.draft(drafts[i]):
+            break
+    state.undo_drafts()
+    masked = logits.clone()
+    vocab_size = min(masked.shape[1], state.vocab_size)
+    xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device), vocab_size=vocab_size)
+    return masked

@@ -48,6 +48,9 @@ def serve(
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
                                          help="bf16 on CPU: greedy output independent of batching, cached prefixes, "
                                               "chunking and speculation (bf16 weights; W4/W8 layers are not)"),
+    cuda_graphs: bool = typer.Option(False, "--cuda-graphs/--enforce-eager",
+                                     help="CUDA: capture decode steps as CUDA graphs per batch bucket (experimental: "
+                                          "not yet validated on a GPU), or run every step eagerly (the default)"),
     max_request_bytes: int = typer.Option(4 << 20, help="Largest request body, in bytes: a larger one is refused "
                                                          "with a 413 before it is parsed"),
     shutdown_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get to finish after SIGTERM "
@@ -57,6 +60,9 @@ def serve(
                                              "(last, mean or cls)"),
     metrics_prefix: str = typer.Option("quantkit", help="/metrics names: quantkit, or vllm (vLLM's names, labels "
                                                         "and buckets, for its dashboards)"),
+    tool_call_parser: str = typer.Option("auto", help="How chat replies are parsed into tool_calls: hermes (Qwen, "
+                                                      "Hermes), llama3_json, mistral, or auto (from the chat "
+                                                      "template)"),
     log_level: str = typer.Option("info", help="debug, info, warning or error"),
 ) -> None:
     """Serve a model with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/embeddings,
@@ -75,12 +81,12 @@ def serve(
         speculative_disable_by_batch_size=speculative_disable_by_batch_size,
         ngram_prompt_lookup_max=ngram_prompt_lookup_max, ngram_prompt_lookup_min=ngram_prompt_lookup_min,
         pooling=pooling,
-        batch_invariant=batch_invariant, tensor_parallel_size=tensor_parallel_size,
+        batch_invariant=batch_invariant, tensor_parallel_size=tensor_parallel_size, cuda_graphs=cuda_graphs,
     )
     options = ServerOptions(
         model=model, host=host, port=port, served_model_name=served_model_name,
         api_key=api_key or os.environ.get("QUANTKIT_API_KEY") or None, chat_template=chat_template,
         log_level=log_level, max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
-        metrics_prefix=metrics_prefix,
+        metrics_prefix=metrics_prefix, tool_call_parser=tool_call_parser,
     )
     raise typer.Exit(run_server(options, engine_config))

@@ -222,19 +222,3 @@ def test_sampler_masks_only_the_constrained_rows(loaded):
     assert torch.equal(logits, before)  # the runner's logits are not written
     assert out.tokens[0] == int(before[0].argmax()) and out.tokens[2] == int(before[2].argmax())
     assert loaded.tokenizer.decode([out.tokens[1]]) in ("y", "ye", "yes", "n", "no")
-
-
-def test_speculation_skips_constrained_sequences(loaded):
-    from quantkit.serve.llm import build_engine
-
-    engine = build_engine(loaded, max_model_len=MAX_MODEL_LEN, kv_cache_memory=32 << 20,
-                          speculative_method="ngram", num_speculative_tokens=3)
-    params = SamplingParams(temperature=0, max_tokens=200, guided=GuidedDecoding("json", SCHEMA, "x"))
-    engine.add_request("j", validate_request(loaded.tokenizer("a a a a a a").input_ids, params, engine.vocab_size,
-                                             MAX_MODEL_LEN, 64))
-    final = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            final = out
-    check_schema(json.loads(final.outputs[0].text))
-    assert engine.speculator.num_draft_tokens == 0
