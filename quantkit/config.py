@@ -120,14 +120,16 @@ class CalibConfig:
     seq_len: int = 512
     data_mode: str = "concat"  # "concat": chunks of a token stream; "rows": one sample per row
     seed: int = 0
-    damp: float = 0.01  # GPTQ dampening, fraction of mean(diag H)
+    # GPTQ dampening, fraction of mean(diag H); 0.1 with clip_search: the pair that beats RTN on every held-out domain
+    # (bench/generalisation.py, BENCHMARKS.md: GPTQ at damp 0.01 without it lost to RTN on sonnets and chat)
+    damp: float = 0.1
     # GPTQ without act-order: process each group's columns by descending diag(H) and the groups by their largest
     # diag(H) (group-aware reordering, Gafni et al. 2025, GPTQModel's default); groups stay k // g, so nothing
     # changes on disk (no g_idx) and qparams are still fit on the updated columns as each group starts
     group_aware: bool = True
     # GPTQ: each group's scale (and zero) from the shrink p * [min, max], p in {1, 0.99, ..., 0.50}, with the least
     # squared rounding error (quant/scheme.py clip_search) instead of plain min/max
-    clip_search: bool = False
+    clip_search: bool = True
     block_size: int = 128  # GPTQ lazy-batch columns
     batch_size: int = 8  # calibration samples per block forward
     # matmuls of the calibration forwards: "bfloat16" autocasts them (weights, residual stream and statistics stay
@@ -167,7 +169,7 @@ class CalibConfig:
             raise QuantkitError(f"format {self.layout} has no g_idx for act-order: add --static-groups or use "
                                 f"--format gptq or gptq_v2")
         if not 0.0 <= self.damp <= 1.0:
-            raise QuantkitError(f"damp={self.damp} must lie in [0, 1] (a fraction of mean(diag H); 0.01 is usual)")
+            raise QuantkitError(f"damp={self.damp} must lie in [0, 1] (a fraction of mean(diag H); the default is 0.1)")
         for name in ("num_samples", "block_size", "batch_size"):
             if getattr(self, name) < 1:
                 raise QuantkitError(f"{name}={getattr(self, name)} must be at least 1")

@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
         sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="fixed zero point (default: sym for gptq/rtn, asym for awq)"),
         act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="GPTQ: columns by descending Hessian diagonal"),
         static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="GPTQ act-order with groups fit up front (g_idx stays k // g)"),
-        damp: Optional[float] = typer.Option(None, help="GPTQ dampening, fraction of mean(diag H) (default 0.01)"),
+        damp: Optional[float] = typer.Option(None, help="GPTQ dampening, fraction of mean(diag H) (default 0.1)"),
         group_aware: Optional[bool] = typer.Option(None, "--group-aware/--no-group-aware", help="GPTQ without act-order: columns by descending Hessian diagonal inside each group, groups by their largest (default on; nothing changes on disk)"),
         layout: Optional[str] = typer.Option(None, "--format", help="gptq | gptq_v2 | awq | compressed-tensors (default: gptq when sym; asym and AWQ at 4 bits without an act-order g_idx: awq with groups, compressed-tensors per-channel; else gptq_v2, or compressed-tensors for AWQ)"),
         data: Optional[str] = typer.Option(None, help="calibration file (jsonl/txt/parquet/datasets folder; default: the general set shipped in quantkit/calibration_data: WikiText-2 prose + GSM8K math, about 80k tokens)"),
