@@ -375,12 +375,15 @@ def _is_unicode(text: str) -> bool:
 
 
 def _is_union_tag(part) -> bool:
-    """pydantic puts the union member it tried into `loc` ("list[int]", "NamedToolChoice"); the field path leaves
-    it out."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool") or part in _TAGS)
+    """pydantic puts the union member it tried into `loc` ("list[int]", or a request model's class name such as
+    tool_choice's "NamedToolChoice"); the field path leaves it out."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool")
+                                      or part in _model_names(RequestModel))
 
 
-_TAGS = {"NamedToolChoice"}  # the request models that are union members (tool_choice's)
+def _model_names(cls: type) -> set[str]:
+    """The class names of cls's subclasses, at every depth (field names are snake_case: they never collide)."""
+    return {name for sub in cls.__subclasses__() for name in (sub.__name__, *_model_names(sub))}
 
 
 def _short(value: Any) -> str:
