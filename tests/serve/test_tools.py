@@ -5,9 +5,10 @@ A tiny random model never calls a tool on its own: a named or "required" tool_ch
 in the chosen parser's format, so the parser must read it back, and its arguments validate against the function's
 parameters whatever the weights. The family comes from the chat template (--tool-call-parser auto). The hermes
 server runs the bundled SmolLM2 template, which takes no tools (they go in the system message). Llama 3.1's and
-Mistral v0.3's own templates are not available offline: LLAMA3_TEMPLATE and MISTRAL_TEMPLATE below are minimal
-templates written for this test that render tools as those families do (described above each). Model outputs of
-each family's real format are checked against exact tool_calls in the parser tests at the end."""
+Mistral v0.3's own templates are not available offline: tests/fixtures/chat_templates/llama3_tools.jinja and
+mistral_tools.jinja are minimal templates written for this test that render tools as those families do (described
+where they are read below). Model outputs of each family's real format are checked against exact tool_calls in the
+parser tests at the end."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.serve.tool_parsers import PARSERS, choose
 from quantkit.serve.tools import render_messages
+from tests.conftest import REPO
 from tests.evals.evals_tiny import save_tiny, tiny_model
 from tests.serve.api_live import live_server
 
@@ -44,66 +46,13 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # After Llama 3.1's template: "Environment: ipython" in the system turn, the tools as JSON in the first user turn
 # with its "Respond in the format {"name": ..., "parameters": ...}" instruction, an assistant call written as that
 # JSON (a built-in tool's after <|python_tag|>), a tool result in an ipython turn.
-LLAMA3_TEMPLATE = """{{- bos_token -}}
-{%- set ns = namespace(tools_shown=false) -%}
-{%- if tools is not none -%}
-{{- "<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython<|eot_id|>" -}}
-{%- endif -%}
-{%- for message in messages -%}
-{%- if message.role == "user" and tools is not none and not ns.tools_shown -%}
-{%- set ns.tools_shown = true -%}
-{{- "<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, please respond with a JSON "
-    ~ "for a function call with its proper arguments that best answers the given prompt.\\n\\nRespond in the "
-    ~ "format {\\"name\\": function name, \\"parameters\\": dictionary of argument name and its value}. Do not "
-    ~ "use variables.\\n\\n" -}}
-{%- for tool in tools -%}{{- tool | tojson -}}{{- "\\n\\n" -}}{%- endfor -%}
-{{- message.content + "<|eot_id|>" -}}
-{%- elif message.tool_calls -%}
-{{- "<|start_header_id|>assistant<|end_header_id|>\\n\\n" -}}
-{%- for call in message.tool_calls -%}
-{%- if call.function.name == "code_interpreter" -%}{{- "<|python_tag|>" + call.function.arguments.code -}}
-{%- else -%}{{- {"name": call.function.name, "parameters": call.function.arguments} | tojson -}}{%- endif -%}
-{%- endfor -%}
-{{- "<|eot_id|>" -}}
-{%- elif message.role == "tool" -%}
-{{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" + message.content + "<|eot_id|>" -}}
-{%- else -%}
-{{- "<|start_header_id|>" + message.role + "<|end_header_id|>\\n\\n" + message.content + "<|eot_id|>" -}}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- "<|start_header_id|>assistant<|end_header_id|>\\n\\n" -}}{%- endif -%}"""
+TEMPLATES = REPO / "tests" / "fixtures" / "chat_templates"
+LLAMA3_TEMPLATE = (TEMPLATES / "llama3_tools.jinja").read_text()
 
 # After Mistral 7B Instruct v0.3's template: [AVAILABLE_TOOLS] before the last user turn, an assistant call as
 # [TOOL_CALLS] and a JSON list of {"name", "arguments", "id"} (ids of 9 characters, else the template raises),
 # a tool result as [TOOL_RESULTS] {"content", "call_id"}.
-MISTRAL_TEMPLATE = """{{- bos_token -}}
-{%- set ns = namespace(last_user=-1) -%}
-{%- for message in messages -%}
-{%- if message.role == "user" -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
-{%- endfor -%}
-{%- for message in messages -%}
-{%- if message.role == "user" -%}
-{%- if tools is not none and loop.index0 == ns.last_user -%}
-{{- "[AVAILABLE_TOOLS] " + (tools | tojson) + "[/AVAILABLE_TOOLS]" -}}
-{%- endif -%}
-{{- "[INST] " + message.content + "[/INST]" -}}
-{%- elif message.tool_calls -%}
-{{- "[TOOL_CALLS] [" -}}
-{%- for call in message.tool_calls -%}
-{%- if call.id | length != 9 -%}
-{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") -}}
-{%- endif -%}
-{{- {"name": call.function.name, "arguments": call.function.arguments, "id": call.id} | tojson -}}
-{{- ", " if not loop.last -}}
-{%- endfor -%}
-{{- "]" + eos_token -}}
-{%- elif message.role == "tool" -%}
-{{- "[TOOL_RESULTS] " + ({"content": message.content, "call_id": message.tool_call_id} | tojson)
-    + "[/TOOL_RESULTS]" -}}
-{%- else -%}
-{{- message.content + eos_token -}}
-{%- endif -%}
-{%- endfor -%}"""
+MISTRAL_TEMPLATE = (TEMPLATES / "mistral_tools.jinja").read_text()
 
 FAMILIES = {"hermes": None, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE}  # None: the bundled one
 
@@ -224,31 +173,10 @@ def test_an_unknown_named_tool_is_a_400(family):
 
 # ---- each family's model output -> tool_calls (no server) -----------------------------------------------------
 
-WEATHER = {"city": "Paris", "unit": "celsius"}
-OUTPUTS = [  # (parser, what a model of the family writes, content, [(name, arguments)])
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
-     None, [("get_weather", WEATHER)]),
-    ("hermes", 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
-               '{"name": "g", "arguments": {}}\n</tool_call>', "Sure.\n\n", [("f", {"x": 1}), ("g", {})]),
-    ("hermes", "<tool_call>not json</tool_call> hi", "<tool_call>not json</tool_call> hi", []),
-    ("hermes", "no call here", "no call here", []),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None,
-     [("get_weather", WEATHER)]),
-    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}', None,
-     [("get_time", {"zone": "UTC"})]),
-    ("llama3_json", '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "arguments": {"y": [2]}}', None,
-     [("f", {"x": 1}), ("g", {"y": [2]})]),
-    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),  # JSON, but not a call
-    ("llama3_json", 'The call is {"name": "f", "parameters": {}}', 'The call is {"name": "f", "parameters": {}}', []),
-    ("llama3_json", '{"name": "f", "parameters": {}} and more', '{"name": "f", "parameters": {}} and more', []),
-    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]', None,
-     [("get_weather", WEATHER)]),
-    ("mistral", 'Let me check. [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]',
-     "Let me check. ", [("f", {"x": 1}), ("g", {})]),
-    ("mistral", "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
-    ("mistral", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
-     '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', []),  # another family's format is content
-]
+# (parser, what a model of the family writes, content, [(name, arguments)]): exact outputs in each family's
+# format, one per line of the fixture (several calls, text around them, non-calls, another family's format)
+OUTPUTS = [(r["parser"], r["text"], r["content"], [(c["name"], c["arguments"]) for c in r["calls"]])
+           for r in map(json.loads, (REPO / "tests" / "fixtures" / "tool_outputs.jsonl").read_text().splitlines())]
 
 
 @pytest.mark.parametrize("parser,text,content,calls", OUTPUTS)
