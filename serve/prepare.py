@@ -55,7 +55,12 @@ def batch_invariant_mode(asked: bool, device: torch.device, dtype: torch.dtype, 
     """Whether a runner serves batch-invariantly: asked (EngineConfig.batch_invariant), bf16 on CPU, the C kernels
     in use (attention_backend auto) and the rowwise GEMM and row attention kernel built here. Other dtypes and
     devices are served as before; asked but impossible here is logged."""
-    if not (asked and device.type == "cpu" and dtype == torch.bfloat16 and can_pack(dtype, device)):
+    if not (asked and device.type == "cpu" and dtype == torch.bfloat16):
+        return False
+    if not can_pack(dtype, device):
+        log.warning("batch-invariant serving needs oneDNN's bf16 kernels, which this CPU lacks (AVX-512 BW/VL/DQ or "
+                    "AVX-NE-CONVERT): bf16 runs on torch's own kernels, and greedy output may depend on what a "
+                    "request is batched with")
         return False
     if native_kernels and rowwise_gemm.available() and load_rows_kernel() is not None:
         if not rowwise_gemm.vectorised():

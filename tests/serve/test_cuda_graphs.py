@@ -13,6 +13,7 @@ import torch
 
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig
 from quantkit.serve.config import EngineConfig
+from quantkit.serve.cpu_linear import can_pack
 from quantkit.serve.cuda_graphs import MAX_CAPTURE_SIZE, DecodeGraphs, bucket_for, capture_sizes
 from quantkit.serve.engine import LLMEngine
 from quantkit.serve.model_runner import ModelRunner
@@ -89,12 +90,13 @@ def decode_feeds(seqs):
 @pytest.mark.parametrize("n", [1, 3, 5, 12, 20])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_padded_rows_give_the_unpadded_logits_and_never_touch_real_kv(dtype, n):
-    """bf16 (batch-invariant: the row-invariant GEMM and attention kernel, serve/prepare.py): bit for bit;
-    fp32 (oneDNN's GEMM, whose rounding depends on the row count): to fp32 rounding. Either way only the step's
+    """bf16 batch-invariant (the row-invariant GEMM and attention kernel, serve/prepare.py): bit for bit; fp32
+    (oneDNN's GEMM, whose rounding depends on the row count), and bf16 where invariance is off: to its rounding. Either way only the step's
     slots and the padding block's slot 0 change in the KV cache."""
     model = tiny_model(dtype)
     runner = tiny_runner(model, dtype=dtype)
-    assert runner.batch_invariant == (dtype == torch.bfloat16)
+    # bf16 is served invariantly wherever oneDNN's bf16 kernels exist (serve/prepare.py); elsewhere (AVX2) it is not
+    assert runner.batch_invariant == (dtype == torch.bfloat16 and can_pack(dtype, torch.device("cpu")))
     runner.use_padded_decode()
     graphs = runner.graphs
     assert not graphs.capture and runner.kv_pool.shape[2] == runner.num_blocks + 1
@@ -114,9 +116,13 @@ def test_padded_rows_give_the_unpadded_logits_and_never_touch_real_kv(dtype, n):
 
     assert got.shape == expected.shape == (n, model.config.vocab_size)
     real = slice(0, runner.num_blocks)
-    if dtype == torch.bfloat16:
+    if runner.batch_invariant:
         assert torch.equal(got, expected)
         assert torch.equal(runner.kv_pool[:, :, real], expected_kv[:, :, real])
+    elif dtype == torch.bfloat16:  # torch's bf16 GEMM rounds by row count: to bf16 rounding of these O(1) logits
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=0.05)
+        torch.testing.assert_close(runner.kv_pool[:, :, real].float(), expected_kv[:, :, real].float(), rtol=0,
+                                   atol=0.05)
     else:
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
