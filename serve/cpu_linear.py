@@ -24,6 +24,7 @@ from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import gemv as cpu_gemv
 from quantkit.kernels.cpu import rowwise_gemm
+from quantkit.kernels.cpu.capability import onednn_bf16
 from quantkit.kernels.cpu.fused import CpuFusedOps
 
 log = logging.getLogger("quantkit.serve")
@@ -56,7 +57,7 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16()
 
 
 def pack_linears(model: nn.Module, batch_hint: int, rowwise: bool = False) -> int:

@@ -33,6 +33,7 @@ from torch import nn
 import quantkit
 from quantkit.config import CalibConfig
 from quantkit.errors import QuantkitError
+from quantkit.kernels.cpu.capability import onednn_bf16
 from quantkit.models.registry import arch_spec
 from quantkit.quant.activation_store import INPUTS, NEXT, Activations, Successor, fits
 from quantkit.quant.awq import AWQ, accumulate_magnitude
@@ -171,7 +172,7 @@ def resident_tensors(model: nn.Module) -> Iterator[tuple[str, tuple[torch.Tensor
 def resolve_compute_dtype(compute_dtype: str, device: torch.device) -> str:
     if compute_dtype != "auto":
         return compute_dtype
-    fast = device.type == "cuda" or (device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    fast = device.type == "cuda" or (device.type == "cpu" and onednn_bf16())
     return "bfloat16" if fast else "float32"
 
 
