@@ -24,7 +24,7 @@ from tests.serve.test_engine import chat_prompts
 
 PROMPTS, MAX_TOKENS = 8, 32
 KV = dict(kv_cache_memory=128 << 20, max_model_len=512)
-# what serve/prepare.py decides for this CPU: invariance needs oneDNN's bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)
+# what serve/prepare.py decides for this CPU (invariance needs oneDNN's bf16 kernels: kernels/cpu/capability.py)
 invariant_here = pytest.mark.skipif(
     not batch_invariant_mode(True, torch.device("cpu"), torch.bfloat16, native_kernels=True),
     reason="this CPU serves bf16 without the row-invariant kernels (no oneDNN bf16): nothing to hold invariant")

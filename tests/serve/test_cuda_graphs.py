@@ -91,8 +91,8 @@ def decode_feeds(seqs):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_padded_rows_give_the_unpadded_logits_and_never_touch_real_kv(dtype, n):
     """bf16 batch-invariant (the row-invariant GEMM and attention kernel, serve/prepare.py): bit for bit; fp32
-    (oneDNN's GEMM, whose rounding depends on the row count), and bf16 where invariance is off: to its rounding. Either way only the step's
-    slots and the padding block's slot 0 change in the KV cache."""
+    (oneDNN's GEMM, whose rounding depends on the row count), and bf16 where invariance is off: to its rounding.
+    Either way only the step's slots and the padding block's slot 0 change in the KV cache."""
     model = tiny_model(dtype)
     runner = tiny_runner(model, dtype=dtype)
     # bf16 is served invariantly wherever oneDNN's bf16 kernels exist (serve/prepare.py); elsewhere (AVX2) it is not
