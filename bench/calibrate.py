@@ -71,6 +71,7 @@ RUNS = {
                               "--static-groups"],
     "gptq-w8g64": ["--method", "gptq", "--bits", "8", "--group-size", "64", "--sym"],
     "awq-w4g64": ["--method", "awq", "--bits", "4", "--group-size", "64", "--asym"],
+    "awq-w4g64-rtn": ["--method", "awq", "--bits", "4", "--group-size", "64", "--asym", "--awq-rounding", "rtn"],
 }
 PEER_RUNS = {"llmc-gptq-w4g64": ["--bits", "4", "--group-size", "64"]}  # bench/peer_llmcompressor.py flags
 

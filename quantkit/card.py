@@ -320,12 +320,21 @@ def _num(x) -> str:
     return "-" if x is None else f"{x:.4g}"
 
 
+def _method_text(method: str, meta: dict, recipe: dict) -> str:
+    """GPTQ with its dampening; AWQ with how its scaled weights were rounded (CalibConfig.awq_rounding)."""
+    if method == "awq" and recipe.get("awq_rounding") == "gptq":
+        return f"AWQ scales, GPTQ rounding (dampening {recipe.get('damp')} of mean diag H)"
+    if method == "awq" and recipe.get("awq_rounding") == "rtn":
+        return "AWQ scales, clip search + round to nearest"
+    return method.upper() + (f" (dampening {meta['damp_percent']} of mean diag H)" if meta.get("damp_percent") else "")
+
+
 def _quantization_section(facts: Facts) -> str:
     m = facts.meta
     data = m.get("data") or {}
     recipe = {k: v for k, v in (m.get("recipe") or {}).items() if v is not None}
     rows = [
-        ("method", facts.method.upper() + (f" (dampening {m['damp_percent']} of mean diag H)" if m.get("damp_percent") else "")),
+        ("method", _method_text(facts.method, m, recipe)),
         ("bits", facts.bits),
         ("group size", "per-channel" if facts.group_size == -1 else facts.group_size),
         ("zero point", "symmetric (fixed)" if facts.sym else "asymmetric (per group)"),

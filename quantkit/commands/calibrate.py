@@ -79,6 +79,7 @@ def register(app: typer.Typer) -> None:
         seed: Optional[int] = typer.Option(None, help="sample selection seed (default 0): same seed, same bytes"),
         batch_size: Optional[int] = typer.Option(None, "--batch-size", help="samples per block forward (default 8)"),
         compute_dtype: Optional[str] = typer.Option(None, "--compute-dtype", help="auto | float32 | bfloat16: matmuls of the calibration forwards; statistics stay fp32 (default auto: bfloat16 where the hardware has it)"),
+        awq_rounding: Optional[str] = typer.Option(None, "--awq-rounding", help="AWQ: gptq (error-compensating rounding of the scaled weights, default) | rtn (the paper's clip search + round to nearest)"),
         moe_min_tokens: Optional[int] = typer.Option(None, "--moe-min-tokens", help="MoE: an expert routed fewer calibration tokens is calibrated on a forced-routing pass (every token, weighted by its router probability); 0 = never (default: the hidden size)"),
         recipe: Optional[Path] = typer.Option(None, help="recipes/*.yaml; flags override its keys"),
         out: Optional[Path] = typer.Option(None, help="checkpoint folder (default ./<model>-<method>-<scheme>)"),
@@ -115,7 +116,7 @@ def register(app: typer.Typer) -> None:
         flags = dict(model=model, method=method, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
                      static_groups=static_groups, damp=damp, group_aware=group_aware, format=layout, data=data, num_samples=num_samples,
                      seq_len=seq_len, data_mode=data_mode, seed=seed, batch_size=batch_size, compute_dtype=compute_dtype,
-                     moe_min_tokens=moe_min_tokens)
+                     moe_min_tokens=moe_min_tokens, awq_rounding=awq_rounding)
         source = flags["model"] or (rec.calib.get("model") if rec else None)
         folder, name = resolve(source)
         hf_config = read_hf_config(folder)

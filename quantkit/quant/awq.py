@@ -10,6 +10,9 @@ so no search step touches the activations again and every token counts.
 Scale search, a in {0, 1/20, ..., 19/20}:
   s = m^a / (w_mean^(1-a) + 1e-4),  s /= sqrt(max(s) min(s)),  err(a) = output_error(W, Q(W s) / s, H)
 Folding s (x' = x / s, W' = W s) leaves the float model's outputs unchanged.
+Rounding of the scaled weights W s, on the scaled input's Hessian H / (s s^T): by default GPTQ (quant/gptq.py, with
+the run's damp, group-aware order and clip search), which compensates each column's rounding error through H's
+off-diagonal (correlated channels); with awq_rounding "rtn", the paper's clip search + round to nearest:
 Clip search (every Linear but q/k): per row and group, the shrink t in {1, 0.95, ..., 0.55} of the group's absmax
 minimising that group's partial-output error dw_g H_gg dw_g^T.
 MoE (models/registry.py): the norm before an MoE block feeds the router and every expert, so it can hold only one
@@ -32,7 +35,7 @@ from torch import nn
 
 from quantkit.config import QuantScheme
 from quantkit.models.registry import ArchSpec
-from quantkit.quant.gptq import output_error
+from quantkit.quant.gptq import GPTQ, output_error
 from quantkit.quant.scheme import QTensor, dequantize, quantize_rtn
 
 N_GRID = 20
@@ -180,14 +183,16 @@ def clip_weight(weight: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
 
 class AWQ:
     """AWQ as a calibration method of the driver: all of a block's Linears in one stage, statistics of the float
-    block; every scaling group is searched on the float weights, then all scales are folded, then clip + round."""
+    block; every scaling group is searched on the float weights, then all scales are folded, then each scaled
+    weight W s is rounded: by `rounding` (a GPTQ: error-compensating rounding on the scaled input's Hessian
+    H / (s s^T), the CLI default) or, with rounding None, by the paper's clip search + round to nearest."""
 
     name = "awq"
     needs = ("hessian", "magnitude")
     true_sequential = False
 
-    def __init__(self, scheme: QuantScheme, spec: ArchSpec, n_grid: int = N_GRID):
-        self.scheme, self.spec, self.n_grid = scheme, spec, n_grid
+    def __init__(self, scheme: QuantScheme, spec: ArchSpec, n_grid: int = N_GRID, rounding: Optional[GPTQ] = None):
+        self.scheme, self.spec, self.n_grid, self.rounding = scheme, spec, n_grid, rounding
 
     def search_and_fold(self, block: nn.Module, names: list[str], stats: dict
                         ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -235,6 +240,10 @@ class AWQ:
             if name not in h_of:  # an expert no token reached (forced pass off): round to nearest, no clip search
                 yield name, quantize_rtn(weight, self.scheme, layer=prefix + name), \
                     {**info[name], "loss": None, "fallback": True, "no_tokens": True}
+                continue
+            if self.rounding is not None:
+                qt, stats_of_rounding = self.rounding.quantize_linear(weight, h_of[name], prefix + name)
+                yield name, qt, {**info[name], **stats_of_rounding}
                 continue
             clipped = weight
             if name not in self.spec.awq_no_clip:

@@ -125,9 +125,10 @@ def make_method(cfg: CalibConfig, model_type: str):
         return PerLayerSchemes(cfg, lambda c: make_method(c, model_type))
     if cfg.method == "rtn":
         return RTN(cfg.scheme)
+    gptq = GPTQ(cfg.scheme, cfg.damp, cfg.block_size, cfg.group_aware, cfg.clip_search)
     if cfg.method == "gptq":
-        return GPTQ(cfg.scheme, cfg.damp, cfg.block_size, cfg.group_aware, cfg.clip_search)
-    return AWQ(cfg.scheme, arch_spec(model_type))
+        return gptq
+    return AWQ(cfg.scheme, arch_spec(model_type), rounding=gptq if cfg.awq_rounding == "gptq" else None)
 
 
 def token_mask(calib) -> torch.Tensor:

@@ -238,7 +238,9 @@ class GPTQ:
                 continue
             if id(st) not in hessians:
                 hessians[id(st)] = st.hessian()
-            weight = block.get_submodule(name).weight
-            qt, s = gptq_quantize(weight, hessians[id(st)], self.scheme, self.damp, self.block_size, prefix + name,
-                                  self.group_aware, self.clip)
-            yield name, qt, dataclasses.asdict(s)
+            yield name, *self.quantize_linear(block.get_submodule(name).weight, hessians[id(st)], prefix + name)
+
+    def quantize_linear(self, weight: torch.Tensor, h: torch.Tensor, layer: str) -> tuple[QTensor, dict]:
+        """One Linear's weight [N, K] on its input Hessian h [K, K] (AWQ's rounding of its scaled weights too)."""
+        qt, s = gptq_quantize(weight, h, self.scheme, self.damp, self.block_size, layer, self.group_aware, self.clip)
+        return qt, dataclasses.asdict(s)

@@ -127,6 +127,16 @@ def test_metadata_and_loaders_follow_the_scheme_and_layout(tmp_path, scheme, lay
     assert "## Accuracy\n\nNot evaluated yet." in card
 
 
+@pytest.mark.parametrize("rounding, text", [("gptq", "AWQ scales, GPTQ rounding (dampening 0.1 of mean diag H)"),
+                                             ("rtn", "AWQ scales, clip search + round to nearest")])
+def test_method_row_says_how_awq_rounded(tmp_path, rounding, text):
+    folder = checkpoint_meta(tmp_path / "ckpt", QuantScheme(4, 64, sym=False), "awq", method="awq")
+    meta = json.loads((folder / "quantkit.json").read_text())
+    meta["recipe"].update(awq_rounding=rounding, damp=0.1)
+    (folder / "quantkit.json").write_text(json.dumps(meta))
+    assert f"| method | {text} |" in render_card(folder).splitlines()
+
+
 def test_card_command_writes_readme(tmp_path):
     from quantkit.cli import _typer_app
 
