@@ -321,12 +321,14 @@ def _num(x) -> str:
 
 
 def _method_text(method: str, meta: dict, recipe: dict) -> str:
-    """GPTQ with its dampening; AWQ with how its scaled weights were rounded (CalibConfig.awq_rounding)."""
+    """The method, with the dampening of its GPTQ rounding where it had one: GPTQ's own, or AWQ's scaled weights
+    rounded by GPTQ (CalibConfig.awq_rounding "gptq"; "rtn": the paper's clip search + round to nearest)."""
+    name, damp = method.upper(), meta.get("damp_percent")
     if method == "awq" and recipe.get("awq_rounding") == "gptq":
-        return f"AWQ scales, GPTQ rounding (dampening {recipe.get('damp')} of mean diag H)"
-    if method == "awq" and recipe.get("awq_rounding") == "rtn":
-        return "AWQ scales, clip search + round to nearest"
-    return method.upper() + (f" (dampening {meta['damp_percent']} of mean diag H)" if meta.get("damp_percent") else "")
+        name, damp = "AWQ scales, GPTQ rounding", recipe.get("damp")
+    elif method == "awq" and recipe.get("awq_rounding") == "rtn":
+        name, damp = "AWQ scales, clip search + round to nearest", None
+    return name + (f" (dampening {damp} of mean diag H)" if damp else "")
 
 
 def _quantization_section(facts: Facts) -> str:
