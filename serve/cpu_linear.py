@@ -142,7 +142,7 @@ class FusedLinear(nn.Module):
         if self.rowwise:  # the bias in the kernel, in fp32, as each part's own call adds it
             y = rowwise_gemm.matmul(x2.contiguous(), self.weight, None if self.act else self.bias, self.act)
             return y.view(*lead, self.sizes[0]) if self.act else y.view(*lead, sum(self.sizes)).split(self.sizes, -1)
-        if self.bits == 16 or m >= _AMX_MIN_M:
+        if self.bits == 16 or (m >= _AMX_MIN_M and cpu_gemm.available()):
             y = cpu_gemm.matmul_packed(x2, self.perm, self.weight, self.bits, self.act)
         elif 0 < m <= cpu_gemv.MAX_ROWS and cpu_gemv.available() and (
                 not self.act or isinstance(self.mlp.ops, CpuFusedOps)):

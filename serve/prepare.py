@@ -5,8 +5,9 @@ On CPU, bf16:
   1. every plain nn.Linear becomes a PackedLinear (its weight reordered once for the matmul kernel);
   2. the per-token ops (norms, RoPE, SiLU-and-multiply, the KV store) become the fused C kernels of
      quantkit.kernels.cpu.fused (any CPU dtype, with the torch ops as their fallback);
-  3. on AMX CPUs q/k/v and gate/up run as one GEMM each: the Attention and MLP modules become FusedAttention and
-     FusedMLP, whose project() / activated() call a FusedLinear over the same parts (outputs bit-identical).
+  3. on AMX CPUs q/k/v and gate/up run as one GEMM each (W4/W8 also on CPUs with the GEMV, AVX512-BF16, for
+     decode-sized calls): the Attention and MLP modules become FusedAttention and FusedMLP, whose project() /
+     activated() call a FusedLinear over the same parts (outputs bit-identical).
 Batch-invariant (EngineConfig.batch_invariant, bf16 on CPU with the C kernels): step 1 packs for the row-invariant
 GEMM of kernels/cpu/rowwise_gemm.py instead (every plain Linear, the lm_head included), and step 3 fuses on it on
 any CPU; the attention backend then runs every query row as a decode item (serve/attention.py).
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from quantkit.kernels.cpu import gemm as cpu_gemm
+from quantkit.kernels.cpu import gemv as cpu_gemv
 from quantkit.kernels.cpu import rowwise_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.kernels.cpu.paged_decode import load_rows_kernel
@@ -88,7 +90,8 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
     ops = CpuFusedOps.load(TorchOps) if device.type == "cpu" and fused_ops else None
     if ops is not None:
         model.set_ops(ops)
-    if device.type == "cpu" and dtype == torch.bfloat16 and (cpu_gemm.available() or batch_invariant):
+    if device.type == "cpu" and dtype == torch.bfloat16 and (cpu_gemm.available() or cpu_gemv.available()
+                                                              or batch_invariant):
         log.info("fused %d q/k/v and gate/up-SiLU projections", fuse_projections(model))
     if device.type == "cuda":
         from quantkit.serve.moe_fusion import fuse_moe  # imports triton: CUDA only

@@ -174,11 +174,10 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 # prepare - QTensor [N, K] 4/8-bit -> (perm int64 [K] or None, pack_quantized's (codes, qparams, gs)), or None
 def prepare(qt: QTensor):
-    """This backend's weight for qt, for matmul_packed(x, perm, packed, qt.bits): the act-order permutation into
-    contiguous groups, then pack_quantized. None without AMX or for a layer the kernel does not take (N % 16,
-    K % 32, an odd group size, act-order groups of unequal sizes)."""
-    if not available():
-        return None
+    """This backend's weight for qt, for matmul_packed(x, perm, packed, qt.bits) and gemv.py's GEMV, which streams
+    the same packing: the act-order permutation into contiguous groups, then pack_quantized. None for a layer the
+    kernels do not take (N % 16, K % 32, an odd group size, act-order groups of unequal sizes); whether either
+    kernel runs here is the caller's question (available(), gemv.available())."""
     layout = contiguous_groups(qt)
     if layout is None:
         return None

@@ -16,10 +16,11 @@ layer) is built on first use and cached per device (`prepared(backend)`):
                     16-column blocks into L2 and run AMX tile matmuls on them (~0.63 B/weight at 4 bit), where
                     torch's per-row kernels are 6-8x slower than a bf16 matmul at 64 rows; at prefill sizes one C
                     dequantization of the whole weight, then the same AMX GEMM
-  CPU with AMX and AVX512-BF16, bfloat16, 1 <= M <= gemv.MAX_ROWS (4)   "amx" again: kernels/cpu/gemv.py's
-                    GEMV streams the same packed codes once per call (decode of 1-4 sequences; 1.0-1.5x torch's
-                    per-row int4 kernel, 1.5-2.2x its two-call int8 one on SmolLM2's shapes, bench/cpu_gemv.py),
-                    and no tinygemm copy is built (SmolLM2 W4 g64: 1.48 -> 1.11 B/weight held)
+  CPU with AVX512-BF16, bfloat16, 1 <= M <= gemv.MAX_ROWS (4)   "amx" again (gemm.py's packing, with or
+                    without AMX): kernels/cpu/gemv.py's GEMV streams the packed codes once per call (decode of 1-4
+                    sequences; 1.0-1.5x torch's per-row int4 kernel, 1.5-2.2x its two-call int8 one on SmolLM2's
+                    shapes, bench/cpu_gemv.py); with AMX no tinygemm copy is built (SmolLM2 W4 g64: 1.48 -> 1.11
+                    B/weight held), without it the prefill's rows take tinygemm's copy beside it
   CPU, bfloat16, 0 < M <= _KERNEL_MAX_M[kind]   "tinygemm": kernels/cpu/tinygemm.py, torch's packed int4/int8
                     kernels (kind int4, int8 or int8_hilo; the layouts and identities are in that file; the int8
                     kind reuses qweight): CPUs without AMX, and layers the AMX packing does not take
@@ -117,7 +118,8 @@ class QLinear(nn.Module):
             if backend == "tinygemm":  # its per-channel int8 kind takes qweight (codes - 128) as it is
                 self._prepared[backend] = tinygemm.prepare(qt, self.qweight if self.bits == 8 else None)
             elif backend == "amx":
-                self._prepared[backend] = cpu_gemm.prepare(qt)
+                runs = cpu_gemm.available() or cpu_gemv.available()  # the AMX GEMM or the GEMV reads it
+                self._prepared[backend] = cpu_gemm.prepare(qt) if runs else None
             elif backend == "triton":
                 from quantkit.kernels.triton import qgemm  # CUDA only: Triton loads on first use
 
@@ -154,7 +156,7 @@ class QLinear(nn.Module):
         """x2 [M, K] -> [M, N] without bias from a bf16 kernel that takes this call, else None."""
         m = x2.shape[0]
         if x2.dtype == torch.bfloat16:
-            if m >= _AMX_MIN_M:
+            if m >= _AMX_MIN_M and cpu_gemm.available():
                 amx = self.prepared("amx")
                 if amx is not None:
                     return cpu_gemm.matmul_packed(x2, *amx, self.bits)

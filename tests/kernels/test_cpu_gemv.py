@@ -24,8 +24,7 @@ from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.models.llama import TorchOps
 from quantkit.quant.scheme import QTensor, dequantize, quantize_rtn
 
-pytestmark = pytest.mark.skipif(not (cpu_gemv.available() and cpu_gemm.available()),
-                                reason="the CPU has no AVX512-BF16/AMX (or no compiler)")
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="the CPU has no AVX512-BF16 (or no compiler)")
 
 
 def make_qtensor(n, k, bits, g, sym, act_order=False, seed=0) -> QTensor:
