@@ -2,7 +2,7 @@
 
     python bench/serve_vs_naive.py [--servers quantkit,quantkit-w8,quantkit-w4,naive,vllm,llamacpp]
                                    [--w8 DIR] [--w4 DIR] [--num-prompts 64] [--max-tokens 128]
-                                   [--naive-prompts 64] [--json serve_vs_naive.json]
+                                   [--naive-prompts 64] [--concurrency N] [--json serve_vs_naive.json]
 
 Each server is started alone (nothing else running), warmed up with one request, then sent 64 real ShareGPT
 chat prompts at once (streaming, greedy, ignore_eos, 128 output tokens each) by quantkit's benchmark client;
@@ -14,7 +14,8 @@ output tokens/s, mean TTFT and mean TPOT come from the same client for every ser
   vllm-w4         the same vLLM on the --w4 checkpoint (its GPTQ / compressed-tensors W4A16 path)
   llamacpp        llama-cpp-python's server from --llamacpp-python on the bundled GGUF (one request at a time)
 --naive-prompts: the naive server serialises requests, so its throughput does not depend on how many are queued;
-a smaller number measures the same rate sooner (the table says how many it got).
+a smaller number measures the same rate sooner (the table says how many it got). --concurrency N: at most N
+requests in flight (1: one request at a time, the interactive user's latency) instead of all at once.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def measure(name: str, args, prompts, tokenizer) -> dict:
         run_benchmark(base, prompts[:1], tokenizer, model, ignore_eos=True)  # warm-up
         count = args.naive_prompts if name in ("naive", "llamacpp") else len(prompts)
         load_before = os.getloadavg()[0]
-        run = run_benchmark(base, prompts[:count], tokenizer, model, ignore_eos=True)
+        run = run_benchmark(base, prompts[:count], tokenizer, model, ignore_eos=True,
+                            max_concurrency=args.concurrency)
         m = compute_metrics(run)
         return {"server": name, "requests": count, "completed": m["completed"],
                 "output_tok_s": m["output_throughput"], "mean_ttft_ms": m["mean_ttft_ms"],
@@ -117,6 +119,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--naive-prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=None, help="requests in flight at most (default: all)")
     ap.add_argument("--vllm-python", default="/tmp/venv-vllm/bin/python")
     ap.add_argument("--llamacpp-python", default="/tmp/venv-llamacpp/bin/python")
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds a server may take to start")
@@ -147,7 +150,8 @@ def main() -> None:
                      f"{r['mean_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} | {ratio} |")
     print("\n".join(lines))
     args.json.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-                                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rows": rows},
+                                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+                                     "concurrency": args.concurrency, "rows": rows},
                                     indent=1))
 
 

@@ -36,7 +36,9 @@ class EngineConfig:
     are worker processes; torch.distributed, gloo on CPU, nccl on CUDA); not with speculative decoding yet.
     pooling: how /v1/embeddings pools the final-normed hidden states of an input (POOLING_METHODS).
     cuda_graphs: a CUDA runner captures and replays one graph per decode batch bucket (serve/cuda_graphs.py); off
-    by default until it has been measured on a GPU (it has not: BENCHMARKS.md); CPU steps are always eager.
+    by default until it has been measured on a GPU (it has not: BENCHMARKS.md).
+    cpu_step_plans: a CPU bf16 runner replays each plain decode step of up to 64 sequences as one recorded call of
+    its C kernels (serve/cpu_step_plans.py; the eager forward's logits bit for bit); off: every step runs eagerly.
     """
 
     block_size: int = 16
@@ -64,6 +66,7 @@ class EngineConfig:
     pooling: str = "last"
     tensor_parallel_size: int = 1
     cuda_graphs: bool = False
+    cpu_step_plans: bool = True
 
     def __post_init__(self):
         if self.speculative_method is None and self.speculative_model is not None:

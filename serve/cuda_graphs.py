@@ -88,14 +88,9 @@ class DecodeGraphs:
     def bucket(self, batch) -> int | None:
         """The bucket of a StepBatch (ModelRunner.prepare) whose every sequence decodes one token into one sample
         row (logits rows = tokens 0..n-1), or None: the step runs eagerly."""
-        scheduled, meta = batch.scheduled, batch.meta
-        n = len(scheduled)
-        if meta.num_decodes != n or batch.prompt_rows or batch.spec_rows or len(batch.sample_seqs) != n:
+        n = batch.plain_decodes()
+        if n is None or batch.meta.block_tables.shape[1] > self.width:
             return None
-        if meta.block_tables.shape[1] > self.width:
-            return None
-        if any(row_seq is not s.seq for row_seq, s in zip(batch.sample_seqs, scheduled)):
-            return None  # a fork's n rows of one sequence, and a sequence without a row
         return bucket_for(self.sizes, n)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

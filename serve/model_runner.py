@@ -19,6 +19,7 @@ from quantkit.models.attention import kv_window, unsupported_by_paged_attention
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, TritonPagedAttention
 from quantkit.serve.capacity import capacity_line, kv_bytes_per_token, num_kv_blocks
 from quantkit.serve.config import EngineConfig
+from quantkit.serve.cpu_step_plans import Plans, unsupported as unsupported_by_plans
 from quantkit.serve.cpu_threads import ThreadGovernor
 from quantkit.serve.cuda_graphs import DecodeGraphs, decode_graphs_wanted
 from quantkit.kernels.cpu.paged_decode import load_decode_kernel, load_rows_kernel
@@ -61,6 +62,17 @@ class StepBatch:
     @property
     def spec_row0(self) -> int:
         return self.sample_row0 + len(self.sample_seqs)
+
+    def plain_decodes(self) -> int | None:
+        """n when each of the n scheduled sequences decodes one token into one sample row (logits rows = tokens
+        0..n-1: no prefill chunk, prompt logprobs, fork or draft verify), else None: the steps the decode paths of
+        serve/cuda_graphs.py and serve/cpu_step_plans.py take."""
+        n = len(self.scheduled)
+        if self.meta.num_decodes != n or self.prompt_rows or self.spec_rows or len(self.sample_seqs) != n:
+            return None
+        if any(row_seq is not s.seq for row_seq, s in zip(self.sample_seqs, self.scheduled)):
+            return None  # a fork's n rows of one sequence, and a sequence without a row
+        return n
 
 
 class ModelRunner:
@@ -116,12 +128,24 @@ class ModelRunner:
         self.attn = self._backend(self.kv_caches)
         capture = self.device.type == "cuda" and self.cfg.cuda_graphs
         self.graphs = DecodeGraphs(self, capture) if padding_block else None
+        self.plans = self._step_plans()  # recorded over this pool's caches
 
     def use_padded_decode(self) -> None:
         """Run decode-only steps through DecodeGraphs' padded buffers from now on (on CPU eagerly: what the tests
         of its input path run). Only before the first step: the KV pool is allocated anew, with the padding block."""
         if self.graphs is None:
             self._allocate_kv(padding_block=True)
+
+    def _step_plans(self) -> Plans | None:
+        """Decode steps as recorded C kernel calls (serve/cpu_step_plans.py) when cfg.cpu_step_plans and the model
+        is one they cover (else logged once: every step runs eagerly)."""
+        if not self.cfg.cpu_step_plans or self.device.type != "cpu":
+            return None
+        reason = unsupported_by_plans(self)
+        if reason is not None:
+            log.info("decode step plans off: %s; decode steps run eagerly", reason)
+            return None
+        return Plans(self)
 
     @property
     def capacity_tokens(self) -> int:
@@ -319,6 +343,9 @@ class ModelRunner:
         bucket = self.graphs.bucket(batch) if self.graphs is not None else None
         if bucket is not None:
             return self.graphs.logits(batch.input_ids, batch.positions, batch.meta, bucket)
+        n = batch.plain_decodes() if self.plans is not None else None
+        if n is not None and n <= self.plans.top and self.plans.plan(n) is not None:
+            return self.plans.logits(batch, n)
         self.attn.begin_step(batch.meta)
         return self.model(batch.input_ids, batch.positions, self.attn, batch.logits_indices)
 

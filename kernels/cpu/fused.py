@@ -83,6 +83,14 @@ def kv_store_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
 
+# rope_table_rows - inv_freq fp32 [D/2], size -> fp32 [size, D]
+def rope_table_rows(inv_freq: torch.Tensor, size: int) -> torch.Tensor:
+    """Row p = cos(p * inv_freq) | sin(p * inv_freq), the fp32 angles of the model's rotary embedding (each row is
+    computed alone: a longer table's first rows are a shorter one's)."""
+    freqs = torch.arange(size, device=inv_freq.device).to(torch.float32)[:, None] * inv_freq  # [P, D/2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+
+
 class CpuFusedOps:
     """A model's per-token ops (rms_norm, rope, silu_mul) as fused C kernels, plus kv_store for the attention
     backend. Inputs the kernels do not cover (another device or dtype, mixed dtypes, the dense [B, L, H, D] layout)
@@ -130,10 +138,10 @@ class CpuFusedOps:
 
     # rope_table - positions int [T], inv_freq fp32 [D/2] -> fp32 [P, D], P > max(positions)
     def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Row p = cos(p * inv_freq) | sin(p * inv_freq), the fp32 angles of the model's rotary embedding. Every
-        layer of one forward passes the same positions tensor: checked once per forward (the cache holds that
-        tensor, so its identity cannot be recycled for another), grown by doubling; one table per inv_freq tensor
-        (at most _MAX_ROPE_TABLES, the oldest dropped), so alternating rotaries do not rebuild each layer."""
+        """rope_table_rows' table, long enough for positions. Every layer of one forward passes the same positions
+        tensor: checked once per forward (the cache holds that tensor, so its identity cannot be recycled for
+        another), grown by doubling; one table per inv_freq tensor (at most _MAX_ROPE_TABLES, the oldest dropped),
+        so alternating rotaries do not rebuild each layer."""
         _, last_positions, table = self._rope.get(id(inv_freq), (inv_freq, None, _NO_TABLE))
         if last_positions is positions:
             return table
@@ -141,8 +149,7 @@ class CpuFusedOps:
         if rows < need:  # grown by doubling; a new inv_freq's table as long as the others (the same positions)
             floor = 2 * rows if rows else max((t.shape[0] for _, _, t in self._rope.values()), default=0)
             size = max(need, floor, _MIN_ROPE_TABLE)
-            freqs = torch.arange(size, device=inv_freq.device).to(torch.float32)[:, None] * inv_freq  # [P, D/2]
-            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+            table = rope_table_rows(inv_freq, size)
         if id(inv_freq) not in self._rope and len(self._rope) >= _MAX_ROPE_TABLES:
             del self._rope[next(iter(self._rope))]
         self._rope[id(inv_freq)] = (inv_freq, positions, table)

@@ -6,7 +6,8 @@ warm-up steps run, then `steps` decode steps are timed. Per step (means over the
   kernels  time inside the compute kernels during those steps: every call into the C kernels (the functions of
            each library kernels/cpu/build.py loaded, and the attention backend's decode/prefill kernels), torch's
            F.linear and F.scaled_dot_product_attention, and torch's packed int4/int8 kernels (tinygemm.matmul);
-           outermost calls only, so nothing counts twice and kernels <= wall
+           outermost calls only, so nothing counts twice and kernels <= wall (a step replayed from its plan,
+           serve/cpu_step_plans.py, is one call: run_plan)
   host     wall - kernels: Python, scheduling, sampling, the small torch ops and the launchers' own checks
   floor    the bytes one step must read (the weights the kernels stream, model.stream_bytes below, plus the KV
            cache of the batch's contexts) over the bandwidth of a large tensor copy (read + written bytes / time)

@@ -51,6 +51,9 @@ def serve(
     cuda_graphs: bool = typer.Option(False, "--cuda-graphs/--enforce-eager",
                                      help="CUDA: capture decode steps as CUDA graphs per batch bucket (experimental: "
                                           "not yet validated on a GPU), or run every step eagerly (the default)"),
+    cpu_step_plans: bool = typer.Option(True, "--cpu-step-plans/--no-cpu-step-plans",
+                                        help="CPU bf16: replay each decode step of up to 64 sequences as one call of "
+                                             "its recorded C kernels (same logits), or run every step eagerly"),
     max_request_bytes: int = typer.Option(4 << 20, help="Largest request body, in bytes: a larger one is refused "
                                                          "with a 413 before it is parsed"),
     shutdown_timeout: float = typer.Option(30.0, help="Seconds in-flight requests get to finish after SIGTERM "
@@ -82,6 +85,7 @@ def serve(
         ngram_prompt_lookup_max=ngram_prompt_lookup_max, ngram_prompt_lookup_min=ngram_prompt_lookup_min,
         pooling=pooling,
         batch_invariant=batch_invariant, tensor_parallel_size=tensor_parallel_size, cuda_graphs=cuda_graphs,
+        cpu_step_plans=cpu_step_plans,
     )
     options = ServerOptions(
         model=model, host=host, port=port, served_model_name=served_model_name,

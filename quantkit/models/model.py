@@ -79,7 +79,11 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., V] (Gemma 2: soft-capped, cap * tanh(logits / cap))."""
-        logits = self.lm_head(hidden).float()
+        return self.softcapped(self.lm_head(hidden))
+
+    def softcapped(self, raw: torch.Tensor) -> torch.Tensor:
+        """lm_head's output [..., V] -> float32 logits (soft-capped where the config says)."""
+        logits = raw.float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

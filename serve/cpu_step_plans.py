@@ -1,0 +1,258 @@
+"""Decode steps on CPU as one C call each: the forward of a plain decode step (StepBatch.plain_decodes) recorded
+once per batch size as a kernels/cpu/step_plan.py Plan over persistent buffers, then replayed (the CPU's answer to
+CUDA graphs, serve/cuda_graphs.py).
+
+Per step the host work is six small copies into the input buffers (token ids, positions, slots, block tables,
+sequence lengths) and one call; the forward it replaces spent ~0.3 ms of Python per layer (issue 19: 5 ms of a
+10 ms batch-1 W4 step on the bundled model). The recorded calls are the very kernels the eager forward calls, with
+the same inputs and rounding, in the same order: the logits are the eager path's bit for bit (bf16, the only
+dtype plans run in; tests/serve/test_cpu_step_plans.py). Per layer (Llama's pre-norm block):
+  [resid += down (layer > 0)]  normed = norm(resid)  qkv = linear(normed) [+ bias]  [q, k = q_norm, k_norm]
+  rope(q, k)  kv_store(k, v)  attn = paged attention(q)  o = linear(attn)  normed = norm(o + resid -> resid)
+  act = silu(gate(normed)) * up(normed)  down = linear(act)
+then resid += down, normed = norm(resid), logits = lm_head(normed). A model or batch size the kernels do not
+cover (unsupported() and Plans.plan say which) runs eagerly, as before; an lm_head without a C kernel (oneDNN's,
+outside batch-invariant serving) runs after the replay, on the final-normed rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from quantkit.kernels.cpu import gemv, step_plan
+from quantkit.kernels.cpu.fused import CpuFusedOps, rope_table_rows
+from quantkit.kernels.cpu.step_plan import Plan
+from quantkit.models.attention import Attention, kernel_servable
+from quantkit.models.blocks import DecoderLayer
+from quantkit.models.layers import MLP, RMSNorm
+from quantkit.quant.qlinear import QLinear
+from quantkit.serve.attention import TorchPagedAttention
+from quantkit.serve.cpu_linear import FusedLinear, PackedLinear
+from quantkit.serve.prepare import FusedAttention, FusedMLP
+
+log = logging.getLogger("quantkit.serve")
+
+MAX_PLAN_BATCH = 64  # sequences: above, a step's Python is a small share of its kernels and the buffers grow
+
+
+def unsupported(runner) -> Optional[str]:
+    """Why `runner` (a ModelRunner, its attention backend built) cannot run plans, in a phrase; None when it can."""
+    model = runner.model
+    if runner.device.type != "cpu" or runner.dtype != torch.bfloat16:
+        return f"{runner.device.type} {runner.dtype} (plans run bf16 on CPU)"
+    if runner.cfg.tensor_parallel_size > 1:
+        return "tensor parallelism"
+    if not step_plan.available() or not isinstance(runner.fused_ops, CpuFusedOps):
+        return "the C kernels are not built here (or attention_backend is not auto)"
+    attn = runner.attn
+    if not isinstance(attn, TorchPagedAttention):
+        return f"the {type(attn).__name__} backend"
+    if model.family.embed_scale or type(model.model.norm) is not RMSNorm:
+        return f"{model.family.name}'s embedding scale or final norm"
+    for i, layer in enumerate(model.model.layers):
+        reason = _layer_unsupported(layer, attn, i)
+        if reason is not None:
+            return f"layer {i}: {reason}"
+    return None
+
+
+def _layer_unsupported(layer, attn: TorchPagedAttention, i: int) -> Optional[str]:
+    sa = layer.self_attn
+    if type(layer) is not DecoderLayer or type(layer.input_layernorm) is not RMSNorm \
+            or type(layer.post_attention_layernorm) is not RMSNorm:
+        return f"{type(layer).__name__} with {type(layer.input_layernorm).__name__} (a pre-norm block with RMSNorm)"
+    if type(sa) not in (Attention, FusedAttention) or (sa.q_norm is not None and type(sa.q_norm) is not RMSNorm):
+        return f"{type(sa).__name__}"
+    if type(layer.ffn) not in (MLP, FusedMLP):
+        return f"{type(layer.ffn).__name__} (a SiLU MLP)"
+    if layer.rotary.attention_factor != 1.0 or layer.rotary.long_inv_freq is not None:
+        return "longrope's scaled cos/sin"
+    if attn.rows_kernel is None and (attn.decode_kernel is None or not kernel_servable(sa.spec)):
+        return "attention the decode kernel does not compute (sliding window or soft-cap)"
+    return None
+
+
+class Plans:
+    """The plans of one ModelRunner (unsupported(runner) is None): persistent buffers for up to `top` sequences,
+    which every batch size's plan uses a prefix of (plans run one at a time), and a plan per batch size, recorded
+    on its first step (None: a linear has no C kernel at that size, the step runs eagerly)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        cfg, mc = runner.cfg, runner.model.config
+        self.top = min(cfg.max_num_seqs, cfg.max_num_batched_tokens, MAX_PLAN_BATCH)
+        self.width = -(-runner.max_model_len // runner.block_size)  # block-table columns of the longest sequence
+        top, i32 = self.top, torch.int32
+        self.input_ids = torch.zeros(top, dtype=torch.int64)
+        self.positions = torch.zeros(top, dtype=torch.int64)
+        self.slots = torch.zeros(top, dtype=torch.int64)
+        self.block_tables = torch.zeros(top, self.width, dtype=i32)
+        self.seq_lens = torch.ones(top, dtype=i32)
+        self.row_seqs = torch.arange(top, dtype=i32)  # row r is sequence r
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._rope: dict[int, torch.Tensor] = {}  # id(inv_freq) -> its table over every position
+        self._keep: list[torch.Tensor] = []  # bf16 copies the plans read (biases)
+        self.plans: dict[int, Optional[Plan]] = {}
+        self.eager_head: set[int] = set()  # batch sizes whose plan ends at the final norm
+        self.vocab = mc.vocab_size
+
+    def plan(self, n: int) -> Optional[Plan]:
+        if n not in self.plans:
+            plan = Plan()
+            try:
+                ok = self._record(plan, n)
+            except ValueError as e:  # a launcher's check: the eager path takes it
+                log.warning("decode step plan of %d sequences not recorded (%s): those steps run eagerly", n, e)
+                ok = False
+            self.plans[n] = plan if ok else None
+            if ok:
+                log.info("recorded the decode step plan of %d sequences (%d kernel calls)", n, len(plan))
+        return self.plans[n]
+
+    def logits(self, batch, n: int) -> torch.Tensor:
+        """A plain decode step of n sequences (plan(n) is not None) -> float32 logits [n, V] (row i: sequence i)."""
+        meta, w = batch.meta, batch.meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.block_tables[:n, :w].copy_(meta.block_tables)
+        self.plan(n).run()
+        model = self.runner.model
+        if n in self.eager_head:
+            return model.logits(self._buffer("normed", model.config.hidden_size)[:n])
+        return model.softcapped(self._buffer("logits", self.vocab)[:n])
+
+    def _buffer(self, name: str, cols: int) -> torch.Tensor:
+        """A bf16 [top, cols] buffer, one per (name, width), shared by every plan."""
+        key = (name, cols)
+        if key not in self._buffers:
+            self._buffers[key] = torch.zeros(self.top, cols, dtype=torch.bfloat16)
+        return self._buffers[key]
+
+    def _table(self, rotary) -> torch.Tensor:
+        if id(rotary.inv_freq) not in self._rope:
+            self._rope[id(rotary.inv_freq)] = rope_table_rows(rotary.inv_freq, self.runner.max_model_len)
+        return self._rope[id(rotary.inv_freq)]
+
+    def _bf16(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        t = t.detach().to(torch.bfloat16).contiguous()
+        self._keep.append(t)
+        return t
+
+    # ---- recording: each returns False where a kernel does not take the call
+    def _record(self, plan: Plan, n: int) -> bool:
+        model = self.runner.model
+        h = model.config.hidden_size
+        resid, normed = self._buffer("resid", h)[:n], self._buffer("normed", h)[:n]
+        down = None
+        plan.copy_rows(model.model.embed_tokens.weight, self.input_ids[:n], resid)
+        for i, layer in enumerate(model.model.layers):
+            if down is not None:
+                plan.add_rows(resid, down)
+            norm = layer.input_layernorm
+            plan.add_rms_norm(resid, None, None, norm.weight, normed, norm.eps)
+            o = self._attention(plan, layer.self_attn, i, layer.rotary, normed)
+            if o is None:
+                return False
+            norm = layer.post_attention_layernorm
+            plan.add_rms_norm(o, resid, resid, norm.weight, normed, norm.eps)
+            down = self._mlp(plan, layer.ffn, normed)
+            if down is None:
+                return False
+        plan.add_rows(resid, down)
+        plan.add_rms_norm(resid, None, None, model.model.norm.weight, normed, model.model.norm.eps)
+        if not self._linear(plan, model.lm_head, normed, self._buffer("logits", self.vocab)[:n]):
+            self.eager_head.add(n)  # oneDNN's lm_head (no C entry point): called after the replay
+        return True
+
+    def _attention(self, plan: Plan, sa, i: int, rotary, x: torch.Tensor) -> Optional[torch.Tensor]:
+        n = x.shape[0]
+        hq, hkv, d = sa.n_heads, sa.n_kv, sa.head_dim
+        if isinstance(sa, FusedAttention):
+            qkv = self._buffer("qkv", (hq + 2 * hkv) * d)[:n]
+            if not self._fused(plan, sa.fused_qkv, x, qkv):
+                return None
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        else:
+            q, k, v = (self._buffer(name, heads * d)[:n] for name, heads in (("q", hq), ("k", hkv), ("v", hkv)))
+            if not all(self._linear(plan, lin, x, y) for lin, y in ((sa.q_proj, q), (sa.k_proj, k), (sa.v_proj, v))):
+                return None
+        q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
+        if sa.q_norm is not None:  # per token: its heads are rows at stride d
+            qn, kn = self._buffer("q_normed", hq * d)[:n].view(n, hq, d), self._buffer("k_normed", hkv * d)[:n]
+            kn = kn.view(n, hkv, d)
+            for t in range(n):
+                plan.add_rms_norm(q[t], None, None, sa.q_norm.weight, qn[t], sa.q_norm.eps)
+                plan.add_rms_norm(k[t], None, None, sa.k_norm.weight, kn[t], sa.k_norm.eps)
+            q, k = qn, kn
+        plan.rope(q, k, self.positions[:n], self._table(rotary))
+        k_cache, v_cache = self.runner.attn.kv_caches[i]
+        plan.kv_store(k, v, k_cache, v_cache, self.slots[:n])
+        if not q.is_contiguous():
+            qc = self._buffer("q_rows", hq * d)[:n].view(n, hq, d)
+            plan.copy_rows(q, None, qc)
+            q = qc
+        out = self._buffer("attn", hq * d)[:n]
+        tables, lens, spec = self.block_tables[:n], self.seq_lens[:n], sa.spec
+        if self.runner.attn.rows_kernel is not None:
+            plan.paged_rows(q, k_cache, v_cache, tables, self.row_seqs[:n], lens, spec.scale, out.view(n, hq, d),
+                            spec.sliding_window, spec.logit_softcap)
+        else:
+            plan.paged_decode(q, k_cache, v_cache, tables, lens, spec.scale, out.view(n, hq, d))
+        o = self._buffer("o", sa.o_proj.out_features)[:n]
+        return o if self._linear(plan, sa.o_proj, out, o) else None
+
+    def _mlp(self, plan: Plan, mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
+        n, inter = x.shape[0], mlp.down_proj.in_features
+        act = self._buffer("act", inter)[:n]
+        if isinstance(mlp, FusedMLP):
+            if not self._fused(plan, mlp.fused_gate_up, x, act):
+                return None
+        else:
+            gate, up = self._buffer("gate", inter)[:n], self._buffer("up", inter)[:n]
+            if not (self._linear(plan, mlp.gate_proj, x, gate) and self._linear(plan, mlp.up_proj, x, up)):
+                return None
+            plan.silu_mul(gate, up, act)
+        down = self._buffer("down", mlp.down_proj.out_features)[:n]
+        return down if self._linear(plan, mlp.down_proj, act, down) else None
+
+    def _linear(self, plan: Plan, lin, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """y = lin(x), as lin's own forward computes it at x's row count (serve/cpu_linear.py, QLinear._cpu)."""
+        if isinstance(lin, PackedLinear):
+            if not lin.rowwise:
+                return False
+            plan.rowwise_gemm(x, lin.vnni, lin.bias, y)
+            return True
+        if type(lin) is not QLinear or not self._gemv_rows(x):
+            return False
+        prepared = lin.prepared("amx")
+        if prepared is None or prepared[0] is not None:
+            return False
+        plan.qgemv(x, prepared[1], lin.bits, y)
+        if lin.bias is not None:
+            plan.add_rows(y, self._bf16(lin.bias))
+        return True
+
+    def _fused(self, plan: Plan, fusion: FusedLinear, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """y = fusion(x) as one [n, sum N_i] block (with act: silu(gate) * up [n, I]), as FusedLinear.forward."""
+        if fusion.rowwise:
+            plan.rowwise_gemm(x, fusion.weight, None if fusion.act else fusion.bias, y, fusion.act)
+            return True
+        if fusion.bits == 16 or fusion.perm is not None or not self._gemv_rows(x) or (
+                fusion.act and not isinstance(fusion.mlp.ops, CpuFusedOps)):
+            return False
+        plan.qgemv(x, fusion.weight, fusion.bits, y, fusion.act)
+        if fusion.bias is not None and not fusion.act:
+            plan.add_rows(y, self._bf16(fusion.bias))
+        return True
+
+    @staticmethod
+    def _gemv_rows(x: torch.Tensor) -> bool:
+        """Whether a W4/W8 linear's forward takes the GEMV at x's row count (MAX_ROWS is below the AMX GEMM's)."""
+        return 0 < x.shape[0] <= gemv.MAX_ROWS and gemv.available()
