@@ -99,8 +99,9 @@ class Plan:
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None:
         n, qs = fused._rows(q)
         nk, ks = fused._rows(k)
-        if nk != n or positions.shape != (n,) or positions.dtype is not torch.int64 or table.dtype is not torch.float32 \
-                or table.shape[1] != q.shape[2] or k.shape[2] != q.shape[2] or not table.is_contiguous():
+        if nk != n or positions.shape != (n,) or positions.dtype is not torch.int64 \
+                or table.dtype is not torch.float32 or table.shape[1] != q.shape[2] or k.shape[2] != q.shape[2] \
+                or not table.is_contiguous():
             raise ValueError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)}, "
                              f"table {tuple(table.shape)}")
         self._record("rope", self._fused, [q.data_ptr(), qs, q.shape[1], k.data_ptr(), ks, k.shape[1],
