@@ -6,7 +6,7 @@ project's 2-core machine single-request decode fell from 40 to 1 tok/s with one 
 bench/cpu_sharing.py measures it). Two remedies, both here:
 
 ThreadGovernor: before a step (at most every `interval` seconds) reads the per-core busy time of /proc/stat since
-its last look, subtracts this process's own CPU time, and sets torch's thread count to the cores the others leave
+its last look, subtracts this process's own CPU time (and its service's: SERVICE_PIDS_ENV), and sets torch's thread count to the cores the others leave
 free (torch.set_num_threads; the C kernels read torch.get_num_threads()). Never more than the count it started
 with (the user's OMP_NUM_THREADS / torch.set_num_threads), never fewer than 1; fewer at once, more only after two
 looks agree. QUANTKIT_CPU_THREADS=fixed turns it off. Cost: one clock read per step (0.1 us), ~30 us per look.
@@ -29,6 +29,10 @@ from typing import Optional, Sequence
 SPINCOUNT = "30000"
 SLACK = 0.3  # free cores round up from within SLACK of a whole one (others using 0.3 of a core leave it free)
 INTERVAL_S = 0.2
+# pids whose CPU use is the engine's own (comma-separated): `quantkit serve`'s HTTP front end streams every token the
+# engine process makes, ~0.3 of a core at 100 tok/s; counted as foreign load it took a thread away (bf16 TPOT 7.9 ->
+# 10 ms on 2 cores, bench/serve_vs_naive.py --concurrency 1)
+SERVICE_PIDS_ENV = "QUANTKIT_SERVICE_PIDS"
 
 
 def wait_policy_env(environ: Optional[dict] = None) -> dict:
@@ -63,9 +67,25 @@ def read_proc_stat(path: str = "/proc/stat") -> dict[int, tuple[int, int]]:
     return cores
 
 
-def _process_cpu_seconds() -> float:
+def service_cpu_seconds(pids: Sequence[int] = ()) -> float:
+    """CPU seconds of this process and of `pids` (the same service's other processes; one that has gone or cannot
+    be read counts 0): the load the governor counts as its own."""
     t = os.times()
-    return t.user + t.system
+    total = t.user + t.system
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def service_pids(environ=None) -> list[int]:
+    """The pids in SERVICE_PIDS_ENV (set by serve/engine_process.py for its child: the HTTP front end)."""
+    value = (os.environ if environ is None else environ).get(SERVICE_PIDS_ENV, "")
+    return [int(p) for p in value.split(",") if p.strip().isdigit()]
 
 
 class ThreadGovernor:
@@ -79,7 +99,7 @@ class ThreadGovernor:
 
         self.max_threads, self.cpus, self.interval, self.stat_path = max_threads, list(cpus), interval, stat_path
         self.set_threads = set_threads or torch.set_num_threads
-        self.clock, self.cpu_time = clock, cpu_time or _process_cpu_seconds
+        self.clock, self.cpu_time = clock, cpu_time or service_cpu_seconds
         self.threads = max_threads
         self._pending = None  # a larger count seen once: applied when the next look agrees
         self._last = clock()
@@ -99,7 +119,8 @@ class ThreadGovernor:
         except (OSError, AttributeError, ValueError):
             return None
         threads = min(torch.get_num_threads(), len(cpus))
-        return cls(threads, cpus) if threads > 1 else None
+        pids = service_pids()
+        return cls(threads, cpus, cpu_time=lambda: service_cpu_seconds(pids)) if threads > 1 else None
 
     def _read(self):
         """(per-core (busy, total) of our cpus, this process's CPU seconds)."""

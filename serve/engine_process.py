@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 from quantkit.errors import QuantkitError
 from quantkit.serve.async_engine import _END, EngineDeadError, EngineFrontend
 from quantkit.serve.config import EngineConfig
-from quantkit.serve.cpu_threads import wait_policy_env
+from quantkit.serve.cpu_threads import SERVICE_PIDS_ENV, wait_policy_env
 from quantkit.serve.pooling import EmbeddingJob
 from quantkit.serve.validation import ValidRequest
 
@@ -50,7 +50,8 @@ class EngineProcess(EngineFrontend):
         super().__init__(0, 0, config.max_num_seqs, {})
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "quantkit.serve.engine_process", str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()], env=wait_policy_env(dict(os.environ)))
+                                      pass_fds=[theirs.fileno()],
+                                      env=wait_policy_env({**os.environ, SERVICE_PIDS_ENV: str(os.getpid())}))
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()

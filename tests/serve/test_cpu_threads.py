@@ -1,11 +1,17 @@
 """serve/cpu_threads.py: the thread-count decision from per-core busy fractions, the /proc/stat reader, the
-governor's pacing and hysteresis (driven by a fake /proc/stat, clock and CPU time), and the wait-policy default."""
+governor's pacing and hysteresis (driven by a fake /proc/stat, clock and CPU time), the service's CPU read from a
+real process, and the wait-policy default."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
-from quantkit.serve.cpu_threads import SPINCOUNT, ThreadGovernor, choose_threads, read_proc_stat, wait_policy_env
+from quantkit.serve.cpu_threads import (SERVICE_PIDS_ENV, SPINCOUNT, ThreadGovernor, choose_threads, read_proc_stat,
+                                       service_cpu_seconds, service_pids, wait_policy_env)
 
 
 @pytest.mark.parametrize("busy, own, max_threads, expected", [
@@ -94,3 +100,21 @@ def test_wait_policy_is_set_unless_the_user_chose_one():
     assert wait_policy_env({}) == {"GOMP_SPINCOUNT": SPINCOUNT}
     assert wait_policy_env({"OMP_WAIT_POLICY": "active"}) == {"OMP_WAIT_POLICY": "active"}
     assert wait_policy_env({"GOMP_SPINCOUNT": "infinite"}) == {"GOMP_SPINCOUNT": "infinite"}
+
+
+def test_the_service_processes_cpu_counts_as_the_governors_own():
+    """A process burning CPU (the HTTP front end's part of serving) is read from /proc and added to this one's."""
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time() + 0.6\n"
+                                                     "while time.process_time() < t: pass\ninput()"],
+                              stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while service_cpu_seconds([burner.pid]) - service_cpu_seconds() < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        extra = service_cpu_seconds([burner.pid]) - service_cpu_seconds()
+        assert 0.5 <= extra < 5.0  # its 0.6 s of CPU (plus its start), read from /proc/PID/stat
+    finally:
+        burner.kill()
+        burner.wait()
+    assert service_cpu_seconds([burner.pid]) - service_cpu_seconds() < 0.05  # a pid that has gone counts 0
+    assert service_pids({SERVICE_PIDS_ENV: "12, 34,x"}) == [12, 34] and service_pids({}) == []
