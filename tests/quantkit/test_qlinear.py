@@ -77,14 +77,14 @@ def test_fp32_forward_is_dequantize_then_matmul(case):
 
 
 needs_amx = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU has no AMX (or Linux refused it)")
-# below _AMX_MIN_M rows: the GEMV on the AMX packing where both exist, else torch's per-row kernels
-GEMV = cpu_gemm.available() and cpu_gemv.available()
+# below _AMX_MIN_M rows: the GEMV on the AMX packing (AVX512-BF16, with or without AMX), else torch's per-row kernels
+GEMV = cpu_gemv.available()
 
 
 def assert_backend(layer: QLinear, rows: int, kind: str) -> None:
-    """The backends a forward of `rows` rows built: the AMX packing alone (AMX GEMM, or the GEMV below _AMX_MIN_M),
-    or torch's per-row kernel of `kind`."""
-    if rows >= _AMX_MIN_M or GEMV:
+    """The backends a forward of `rows` rows built: the AMX packing alone (the AMX GEMM from _AMX_MIN_M rows, the
+    GEMV below), or torch's per-row kernel of `kind`."""
+    if (rows >= _AMX_MIN_M and cpu_gemm.available()) or (rows < _AMX_MIN_M and GEMV):
         assert "tinygemm" not in layer._prepared and layer._prepared["amx"] is not None
     else:
         assert layer._prepared["tinygemm"][0] == kind
