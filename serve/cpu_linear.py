@@ -7,9 +7,10 @@ Batch-invariant serving (rowwise=True, any CPU): the same VNNI layout through ke
 row m depends only on x's row m (oneDNN picks its kernel and K blocking by the row count; so does the choice
 between AMX GEMM and GEMV), bias added in fp32 before the one rounding.
 
-FusedLinear (AMX, or rowwise): the linears that read one input (q/k/v, gate/up) as one GEMM on their weights
-concatenated along N; one call instead of three per layer, and the small k/v projections no longer leave a thread
-idle. Columns are computed independently by both kernels, so the fused outputs are the parts' own bit for bit.
+FusedLinear (bf16 on AMX or the rowwise GEMM, W4/W8 on any kernel of qlinear.packed_kernel): the linears that
+read one input (q/k/v, gate/up) as one GEMM on their weights concatenated along N; one call instead of three per
+layer, and the small k/v projections no longer leave a thread idle. Columns are computed independently by every
+kernel, so the fused outputs are the parts' own bit for bit.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
+from quantkit.quant.qlinear import QLinear, matmul_packed, packed_kernel
 from quantkit.kernels.cpu import gemm as cpu_gemm
-from quantkit.kernels.cpu import gemv as cpu_gemv
 from quantkit.kernels.cpu import rowwise_gemm
 from quantkit.kernels.cpu.capability import onednn_bf16
 from quantkit.kernels.cpu.fused import CpuFusedOps
@@ -142,13 +142,13 @@ class FusedLinear(nn.Module):
         if self.rowwise:  # the bias in the kernel, in fp32, as each part's own call adds it
             y = rowwise_gemm.matmul(x2.contiguous(), self.weight, None if self.act else self.bias, self.act)
             return y.view(*lead, self.sizes[0]) if self.act else y.view(*lead, sum(self.sizes)).split(self.sizes, -1)
-        if self.bits == 16 or (m >= _AMX_MIN_M and cpu_gemm.available()):
+        kind = None if self.bits == 16 else packed_kernel(m)
+        if self.bits == 16 or kind == "amx":
             y = cpu_gemm.matmul_packed(x2, self.perm, self.weight, self.bits, self.act)
-        elif 0 < m <= cpu_gemv.MAX_ROWS and cpu_gemv.available() and (
-                not self.act or isinstance(self.mlp.ops, CpuFusedOps)):
-            # few rows: the GEMV on the fused weight; its act epilogue is CpuFusedOps.silu_mul's arithmetic, so
-            # with other ops the parts run alone and the MLP's own silu_mul follows
-            y = cpu_gemv.matmul(x2.contiguous(), self.perm, self.weight, self.bits, self.act)
+        elif kind is not None and (not self.act or isinstance(self.mlp.ops, CpuFusedOps)):
+            # the GEMV or the rowwise GEMM on the fused weight; their act epilogue is CpuFusedOps.silu_mul's
+            # arithmetic, so with other ops the parts run alone and the MLP's own silu_mul follows
+            y = matmul_packed(kind, x2, self.perm, self.weight, self.bits, self.act)
         else:  # the parts' own per-row kernels
             outs = tuple(p(x) for p in self.parts)
             return self.mlp.ops.silu_mul(*outs) if self.act else outs

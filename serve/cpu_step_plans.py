@@ -22,13 +22,13 @@ from typing import Optional
 
 import torch
 
-from quantkit.kernels.cpu import gemv, step_plan
+from quantkit.kernels.cpu import step_plan
 from quantkit.kernels.cpu.fused import CpuFusedOps, rope_table_rows
 from quantkit.kernels.cpu.step_plan import Plan
 from quantkit.models.attention import Attention, kernel_servable
 from quantkit.models.blocks import DecoderLayer
 from quantkit.models.layers import MLP, RMSNorm
-from quantkit.quant.qlinear import QLinear
+from quantkit.quant.qlinear import QLinear, packed_kernel
 from quantkit.serve.attention import TorchPagedAttention
 from quantkit.serve.cpu_linear import FusedLinear, PackedLinear
 from quantkit.serve.prepare import FusedAttention, FusedMLP
@@ -36,6 +36,9 @@ from quantkit.serve.prepare import FusedAttention, FusedMLP
 log = logging.getLogger("quantkit.serve")
 
 MAX_PLAN_BATCH = 64  # sequences: above, a step's Python is a small share of its kernels and the buffers grow
+# the W4/W8 kernels of qlinear.packed_kernel a plan records (the AMX GEMM has no plan op: on AMX CPUs W4/W8 steps of
+# 5 or more sequences run eagerly)
+_PLAN_KERNELS = {"gemv": Plan.qgemv, "rowwise": Plan.rowwise_qgemm}
 
 
 def unsupported(runner) -> Optional[str]:
@@ -229,12 +232,13 @@ class Plans:
                 return False
             plan.rowwise_gemm(x, lin.vnni, lin.bias, y)
             return True
-        if type(lin) is not QLinear or not self._gemv_rows(x):
+        kind = packed_kernel(x.shape[0])
+        if type(lin) is not QLinear or kind not in _PLAN_KERNELS:
             return False
         prepared = lin.prepared("amx")
         if prepared is None or prepared[0] is not None:
             return False
-        plan.qgemv(x, prepared[1], lin.bits, y)
+        _PLAN_KERNELS[kind](plan, x, prepared[1], lin.bits, y)
         if lin.bias is not None:
             plan.add_rows(y, self._bf16(lin.bias))
         return True
@@ -244,15 +248,12 @@ class Plans:
         if fusion.rowwise:
             plan.rowwise_gemm(x, fusion.weight, None if fusion.act else fusion.bias, y, fusion.act)
             return True
-        if fusion.bits == 16 or fusion.perm is not None or not self._gemv_rows(x) or (
+        kind = None if fusion.bits == 16 else packed_kernel(x.shape[0])
+        if kind not in _PLAN_KERNELS or fusion.perm is not None or (
                 fusion.act and not isinstance(fusion.mlp.ops, CpuFusedOps)):
             return False
-        plan.qgemv(x, fusion.weight, fusion.bits, y, fusion.act)
+        _PLAN_KERNELS[kind](plan, x, fusion.weight, fusion.bits, y, fusion.act)
         if fusion.bias is not None and not fusion.act:
             plan.add_rows(y, self._bf16(fusion.bias))
         return True
 
-    @staticmethod
-    def _gemv_rows(x: torch.Tensor) -> bool:
-        """Whether a W4/W8 linear's forward takes the GEMV at x's row count (MAX_ROWS is below the AMX GEMM's)."""
-        return 0 < x.shape[0] <= gemv.MAX_ROWS and gemv.available()

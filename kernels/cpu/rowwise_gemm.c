@@ -26,16 +26,16 @@ static inline __m512 bias16(const uint16_t* b) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)b)), 16));
 }
 
-/* rows [m0, m0 + mr) x blocks [j0, j0 + nr) of the output. x32: x as K/2 uint32 pairs per row; w: block j at
-   w + j * ws; act: blocks alternate gate, up (nr even) and y gets silu(bf16(gate)) * bf16(up) per pair. */
+/* rows [m0, m0 + mr) x blocks [j0, j0 + nr) of the output. x32: x as K/2 uint32 pairs per row; wb: the panel's
+   weight, its block j at wb + j * ws; act: blocks alternate gate, up (nr even) and y gets silu(bf16(gate)) *
+   bf16(up) per pair. */
 static inline __attribute__((always_inline)) void block(
-    const int mr, const int nr, const uint32_t* x32, int K2, int m0, const uint32_t* w, int64_t ws, int j0,
+    const int mr, const int nr, const uint32_t* x32, int K2, int m0, const uint32_t* wb, int64_t ws, int j0,
     const uint16_t* bias, uint16_t* y, int64_t yn, int act) {
   __m512 acc[MR][NR];
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
   const uint32_t* xr = x32 + (int64_t)m0 * K2;
-  const uint32_t* wb = w + (int64_t)j0 * ws;
   for (int r = 0; r < K2; r++) {
     __m512bh wv[NR];
     for (int j = 0; j < nr; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wb + j * ws + (int64_t)r * 16);
@@ -67,10 +67,10 @@ static inline __attribute__((always_inline)) void block(
 }
 
 #define BLOCK_CASE(R, C) \
-  case (R) * 8 + (C): block(R, C, x32, K2, m0, w, ws, j0, bias, y, yn, act); break;
+  case (R) * 8 + (C): block(R, C, x32, K2, m0, wb, ws, j0, bias, y, yn, act); break;
 
 /* every (mr, nr) shape as its own constant-size instance: the accumulators stay in registers */
-static void run_block(int mr, int nr, const uint32_t* x32, int K2, int m0, const uint32_t* w, int64_t ws, int j0,
+static void run_block(int mr, int nr, const uint32_t* x32, int K2, int m0, const uint32_t* wb, int64_t ws, int j0,
                       const uint16_t* bias, uint16_t* y, int64_t yn, int act) {
   switch (mr * 8 + nr) {
     BLOCK_CASE(4, 4) BLOCK_CASE(4, 3) BLOCK_CASE(4, 2) BLOCK_CASE(4, 1)
@@ -82,14 +82,14 @@ static void run_block(int mr, int nr, const uint32_t* x32, int K2, int m0, const
 #else
 /* portable: the same chain per element in plain C (gcc -std=c11 does not contract a * b + c, so each pair is two
    rounded multiply-adds in this order); vectorised over the 16 columns of a block, never over K */
-static void run_block(int mr, int nr, const uint32_t* x32, int K2, int m0, const uint32_t* w, int64_t ws, int j0,
+static void run_block(int mr, int nr, const uint32_t* x32, int K2, int m0, const uint32_t* wb0, int64_t ws, int j0,
                       const uint16_t* bias, uint16_t* y, int64_t yn, int act) {
   for (int i = 0; i < mr; i++) {
     const uint32_t* xr = x32 + (int64_t)(m0 + i) * K2;
     uint16_t* out = y + (int64_t)(m0 + i) * yn;
     float acc[NR][16];
     for (int j = 0; j < nr; j++) {
-      const uint32_t* wb = w + (int64_t)(j0 + j) * ws;
+      const uint32_t* wb = wb0 + (int64_t)j * ws;
       for (int c = 0; c < 16; c++) acc[j][c] = 0.f;
       for (int r = 0; r < K2; r++) {
         const float x0 = bf16_to_f32((uint16_t)xr[r]), x1 = bf16_to_f32((uint16_t)(xr[r] >> 16));
@@ -138,6 +138,34 @@ void rowwise_gemm(const uint16_t* x, int M, int K, const uint32_t* w, int64_t ws
     const int j0 = p * NR, nr = nblocks - j0 < NR ? nblocks - j0 : NR;
     const int mend = (c + 1) * M_CHUNK < M ? (c + 1) * M_CHUNK : M;
     for (int m0 = c * M_CHUNK; m0 < mend; m0 += MR)
-      run_block(mend - m0 < MR ? mend - m0 : MR, nr, x32, K2, m0, w, ws, j0, bias, y, yn, act);
+      run_block(mend - m0 < MR ? mend - m0 : MR, nr, x32, K2, m0, w + (int64_t)j0 * ws, ws, j0, bias, y, yn, act);
   }
 }
+
+#if defined(__AVX512BF16__)
+#include "dequant.h"
+
+/* y [M, N] bf16 (act: [M, N / 2]) = x [M, K] bf16 @ dequantize(W)^T, W in gemm.py's W4/W8 packing (N / 16 blocks,
+   codes cs bytes and qparams qs fp16 apart): each panel of NR blocks is dequantized to bf16 once into a thread's
+   buffer (L2), then every row runs on it through the chains above, so y is rowwise_gemm of the dequantized weight
+   bit for bit, and row-invariant as it is. Threads split the panels. */
+void rowwise_qgemm(const uint16_t* x, int M, int K, const void* codes, int64_t cs, const uint16_t* qp, int64_t qs,
+                   int N, int gs, int bits, uint16_t* y, int threads, int act) {
+  const int nblocks = N / 16, panels = (nblocks + NR - 1) / NR, K2 = K / 2;
+  const int64_t block = (int64_t)K2 * 16, yn = act ? N / 2 : N;
+  const uint32_t* x32 = (const uint32_t*)x;
+  #pragma omp parallel num_threads(threads)
+  {
+    uint32_t* buf = aligned_alloc(64, (size_t)block * NR * 4);
+    #pragma omp for schedule(static)
+    for (int p = 0; p < panels; p++) {
+      const int j0 = p * NR, nr = nblocks - j0 < NR ? nblocks - j0 : NR;
+      for (int j = 0; j < nr; j++)
+        dequant_block((const uint8_t*)codes + (j0 + j) * cs, qp + (j0 + j) * qs, K, gs, bits, buf + j * block);
+      for (int m0 = 0; m0 < M; m0 += MR)
+        run_block(M - m0 < MR ? M - m0 : MR, nr, x32, K2, m0, buf, block, j0, NULL, y, yn, act);
+    }
+    free(buf);
+  }
+}
+#endif

@@ -12,19 +12,27 @@ Weight: gemm.py's VNNI layout (`pack_bf16`, pure torch, no AMX needed): int32 [N
 Register blocks of 4 rows x 4 column blocks (16 accumulators); threads split (64-column panel, 64-row chunk)
 items. act: the blocks alternate gate and up, and the result is silu(bf16(gate)) * bf16(up) [M, N/2] (fused.py's
 silu_mul arithmetic), so FusedLinear's gate/up epilogue runs here too.
+
+W4/W8 (`qmatmul`, AVX-512 BF16 builds only): gemm.py's quantized packing, each 64-column panel dequantized to bf16
+once per call into a thread's buffer (dequant.h, as dequantize(qt, bfloat16) rounds), then the same chains: the
+result is `matmul` of the dequantized weight bit for bit. It serves QLinear's decode batches of 5 to 64 rows on CPUs
+without AMX, where torch's per-row int4 kernels cost as much per row as the GEMV.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from quantkit.kernels.cpu.build import load_library
-from quantkit.kernels.cpu.gemm import _check_vnni, _check_x, _out_columns, matmul_bf16_ref
+from quantkit.kernels.cpu.gemm import (_check_quantized, _check_vnni, _check_x, _out_columns, matmul_bf16_ref,
+                                       run_quantized)
 
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"rowwise_gemm": [_P, _INT, _INT, _P, _I64, _INT, _P, _P, _INT, _INT]}
+QGEMM_SIGNATURE = [_P, _INT, _INT, _P, _I64, _P, _I64, _INT, _INT, _INT, _P, _INT, _INT]  # gemm.c's qgemm's
 
 
 def _library():
@@ -38,6 +46,31 @@ def available() -> bool:
 def vectorised() -> bool:
     """Whether the build runs the AVX-512 BF16 kernel (False: the portable C one, several times slower)."""
     return available() and bool(_library().rowwise_gemm_avx512bf16())
+
+
+@functools.cache
+def _quantized_kernel():
+    """rowwise_qgemm with its argtypes, or None: only an AVX-512 BF16 build exports it."""
+    if not vectorised():
+        return None
+    fn = _library().rowwise_qgemm
+    fn.restype, fn.argtypes = None, QGEMM_SIGNATURE
+    return fn
+
+
+def quantized_available() -> bool:
+    """Whether qmatmul runs here."""
+    return _quantized_kernel() is not None
+
+
+# qmatmul - x [M, K] bf16 contiguous, gemm.pack_quantized's weight of N columns -> y [M, N] bf16 ([M, N/2] act)
+def qmatmul(x: torch.Tensor, packed, bits: int, act: bool = False) -> torch.Tensor:
+    """y = x @ dequantize(W)^T, W dequantized to bf16."""
+    kernel = _quantized_kernel()
+    if kernel is None:
+        raise RuntimeError("rowwise_gemm.qmatmul needs the AVX-512 BF16 build (quantized_available() is False)")
+    _check_x(x, _check_quantized(packed, bits))
+    return run_quantized(kernel, x, packed, bits, act)
 
 
 # matmul - x [M, K] bf16 contiguous, packed int32 [N/16, K/2, 16], bias bf16 [N] or None -> y [M, N] bf16

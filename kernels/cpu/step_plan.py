@@ -5,7 +5,8 @@ Plan records each call with the arguments its launcher would pass: tensor pointe
 must stay where they are (the plan holds a reference to each), so a replay reads the inputs the caller wrote into
 them and writes the same outputs; the thread count is read at replay. The launchers' checks (shapes, strides,
 dtypes) are the recorder's: each method checks what its kernel assumes, once, when the plan is built.
-Kernels: fused.c (add_rms_norm, rope, silu_mul, kv_store), gemv.c (qgemv), rowwise_gemm.c, paged_decode.c
+Kernels: fused.c (add_rms_norm, rope, silu_mul, kv_store), gemv.c (qgemv), rowwise_gemm.c (rowwise_gemm,
+rowwise_qgemm), paged_decode.c
 (paged_decode, paged_rows), and step_plan.c's own copy_rows and add_rows. bf16 activations (the GEMV and the
 rowwise GEMM are bf16 kernels); the attention and per-token kernels are recorded in their tensors' dtype.
 """
@@ -24,7 +25,7 @@ from quantkit.kernels.cpu.rowwise_gemm import _check_vnni
 
 OP_WORDS = 20  # step_plan.c's OP_WORDS: kind, function, up to 18 arguments
 KINDS = ["add_rms_norm", "rope", "silu_mul", "kv_store", "qgemv", "rowwise_gemm", "paged_decode", "paged_rows",
-         "copy_rows", "add_rows"]  # step_plan.c's enum, in order
+         "copy_rows", "add_rows", "rowwise_qgemm"]  # step_plan.c's enum, in order
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"run_plan": [_P, _INT, _INT], "copy_rows": [_P, _I64, _P, _P, _I64, _INT, _I64],
               "add_rows": [_P, _I64, _P, _I64, _INT, _INT]}
@@ -132,16 +133,26 @@ class Plan:
 
     # qgemv - x [M, K] bf16 contiguous (M <= gemv.MAX_ROWS), pack_quantized's weight -> y [M, N] ([M, N/2] act)
     def qgemv(self, x: torch.Tensor, packed, bits: int, y: torch.Tensor, act: bool = False) -> None:
+        self._quantized("qgemv", gemv._library(), gemv.MAX_ROWS, x, packed, bits, y, act)
+
+    # rowwise_qgemm - as qgemv, any M (rowwise_gemm.quantized_available() must hold)
+    def rowwise_qgemm(self, x: torch.Tensor, packed, bits: int, y: torch.Tensor, act: bool = False) -> None:
+        if not rowwise_gemm.quantized_available():
+            raise ValueError("rowwise_qgemm: this build has no AVX-512 BF16 rowwise GEMM")
+        self._quantized("rowwise_qgemm", rowwise_gemm._library(), None, x, packed, bits, y, act)
+
+    def _quantized(self, kind: str, lib, max_rows: int | None, x, packed, bits: int, y, act: bool) -> None:
+        """One of the two kernels of gemm.c's qgemm arguments, from 1 to max_rows (None: any) rows."""
         _check_x(x, _check_quantized(packed, bits))
         codes, qparams, gs = packed
         m, n = x.shape[0], codes.shape[0] * 16
-        if not 1 <= m <= gemv.MAX_ROWS or y.shape != (m, n // 2 if act else n) or y.dtype is not torch.bfloat16 \
+        if not 1 <= m <= (max_rows or m) or y.shape != (m, n // 2 if act else n) or y.dtype is not torch.bfloat16 \
                 or not y.is_contiguous():
-            raise ValueError(f"qgemv: x {tuple(x.shape)} (1 to {gemv.MAX_ROWS} rows), y {tuple(y.shape)} {y.dtype}")
+            raise ValueError(f"{kind}: x {tuple(x.shape)} (1 to {max_rows or 'any'} rows), y {tuple(y.shape)} "
+                             f"{y.dtype}")
         cs, qs = _strides(packed)
-        self._record("qgemv", gemv._library(),
-                     [x.data_ptr(), m, x.shape[1], codes.data_ptr(), cs, qparams.data_ptr(), qs, n, gs, bits,
-                      y.data_ptr(), int(act)], x, codes, qparams, y)
+        self._record(kind, lib, [x.data_ptr(), m, x.shape[1], codes.data_ptr(), cs, qparams.data_ptr(), qs, n, gs,
+                                 bits, y.data_ptr(), int(act)], x, codes, qparams, y)
 
     # rowwise_gemm - x [M, K] bf16 contiguous, pack_bf16's weight [N/16, K/2, 16], bias bf16 [N] or None -> y
     def rowwise_gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,

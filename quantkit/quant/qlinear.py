@@ -12,18 +12,23 @@ The QTensor is rebuilt exactly from these (`qtensor()`), so checkpoint writers s
 Forward, chosen per call; each backend's `prepare(qtensor)` (its packed copy, or None where it does not take the
 layer) is built on first use and cached per device (`prepared(backend)`):
   CUDA              "triton": quantkit.kernels.triton.qgemm, matmul(x, prepared) per call.
-  CPU with AMX, bfloat16, M >= _AMX_MIN_M   "amx": kernels/cpu/gemm.py, matmul_packed: dequantize pairs of
-                    16-column blocks into L2 and run AMX tile matmuls on them (~0.63 B/weight at 4 bit), where
-                    torch's per-row kernels are 6-8x slower than a bf16 matmul at 64 rows; at prefill sizes one C
-                    dequantization of the whole weight, then the same AMX GEMM
-  CPU with AVX512-BF16, bfloat16, 1 <= M <= gemv.MAX_ROWS (4)   "amx" again (gemm.py's packing, with or
-                    without AMX): kernels/cpu/gemv.py's GEMV streams the packed codes once per call (decode of 1-4
-                    sequences; 1.0-1.5x torch's per-row int4 kernel, 1.5-2.2x its two-call int8 one on SmolLM2's
-                    shapes, bench/cpu_gemv.py); with AMX no tinygemm copy is built (SmolLM2 W4 g64: 1.48 -> 1.11
-                    B/weight held), without it the prefill's rows take tinygemm's copy beside it
+  CPU, bfloat16, on gemm.py's W4/W8 packing ("amx", built with or without AMX), the kernel `packed_kernel(M)`
+  names:
+    "amx"      AMX, M >= _AMX_MIN_M: kernels/cpu/gemm.py, matmul_packed: dequantize pairs of 16-column blocks
+               into L2 and run AMX tile matmuls on them (~0.63 B/weight at 4 bit), where torch's per-row kernels
+               are 6-8x slower than a bf16 matmul at 64 rows; at prefill sizes one C dequantization of the whole
+               weight, then the same AMX GEMM
+    "rowwise"  AVX512-BF16 without AMX, M >= _AMX_MIN_M: kernels/cpu/rowwise_gemm.py's qmatmul, each 64-column
+               panel dequantized to bf16 once per call, then AVX-512 BF16 dot products for every row (on SmolLM2's
+               shapes 1.0-1.2x torch's per-row int4 kernel at 5-8 rows, 1.4-3.1x at 16-64, 1.6-5.7x its int8
+               ones, and 1.4-3.9x dequantize + matmul above 64 rows; bench/cpu_qmatmul.py)
+    "gemv"     AVX512-BF16, 1 <= M <= gemv.MAX_ROWS (4): kernels/cpu/gemv.py's GEMV streams the packed codes once
+               per call (decode of 1-4 sequences; 1.0-1.5x torch's per-row int4 kernel, 1.5-2.2x its two-call int8
+               one on SmolLM2's shapes, bench/cpu_gemv.py)
+    so no tinygemm copy is built where AVX512-BF16 is (SmolLM2 W4 g64: 1.48 -> 1.11 B/weight held)
   CPU, bfloat16, 0 < M <= _KERNEL_MAX_M[kind]   "tinygemm": kernels/cpu/tinygemm.py, torch's packed int4/int8
                     kernels (kind int4, int8 or int8_hilo; the layouts and identities are in that file; the int8
-                    kind reuses qweight): CPUs without AMX, and layers the AMX packing does not take
+                    kind reuses qweight): CPUs without AVX512-BF16, and layers gemm.py's packing does not take
   otherwise         dequantize to x's dtype (fp32 math), then F.linear: no cached float weight (memory stays at
                     the packed size). torch vectorizes its int4/int8 CPU kernels for bfloat16 only: fp32/fp16 inputs
                     take a scalar path no faster than dequantize + matmul at one row and ~35x slower at 64 rows; and
@@ -41,7 +46,7 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import gemv as cpu_gemv
-from quantkit.kernels.cpu import tinygemm
+from quantkit.kernels.cpu import rowwise_gemm, tinygemm
 from quantkit.quant.scheme import QTensor, dequantize, num_groups, pack_nibbles, unpack_nibbles
 
 # Largest row count M for which the packed kernel beats dequantize + matmul (bf16, 1 thread, bench/qlinear_cpu.py:
@@ -50,6 +55,27 @@ _KERNEL_MAX_M = {"int4": 64, "int8": 64, "int8_hilo": 32}
 # CPUs with AMX (kernels/cpu/gemm.py): from _AMX_MIN_M rows the AMX dequant-GEMM; below, the GEMV of
 # kernels/cpu/gemv.py on the same packing (bench/qlinear_cpu.py, bench/cpu_gemv.py)
 _AMX_MIN_M = 5
+assert cpu_gemv.MAX_ROWS == _AMX_MIN_M - 1  # every row count has one packed kernel
+
+
+def packed_kernel(m: int) -> str | None:
+    """The C kernel a bf16 call of m rows runs on gemm.py's W4/W8 packing here ("amx", "rowwise", "gemv": module
+    docstring), or None (torch's per-row kernels, or the reference)."""
+    if m >= _AMX_MIN_M:
+        if cpu_gemm.available():
+            return "amx"
+        return "rowwise" if rowwise_gemm.quantized_available() else None
+    return "gemv" if m > 0 and cpu_gemv.available() else None
+
+
+# matmul_packed - kind of packed_kernel, x2 [M, K] bf16, gemm.prepare's (perm, packed) -> y [M, N] ([M, N/2] act)
+def matmul_packed(kind: str, x2: torch.Tensor, perm: torch.Tensor | None, packed, bits: int,
+                  act: bool = False) -> torch.Tensor:
+    """y = x2 @ dequantize(W)^T through that kernel (act: silu(gate) * up of alternating gate/up blocks)."""
+    if kind == "amx":
+        return cpu_gemm.matmul_packed(x2, perm, packed, bits, act)
+    x2 = (x2 if perm is None else x2.index_select(1, perm)).contiguous()
+    return (rowwise_gemm.qmatmul if kind == "rowwise" else cpu_gemv.qgemv)(x2, packed, bits, act)
 
 
 class QLinear(nn.Module):
@@ -118,7 +144,7 @@ class QLinear(nn.Module):
             if backend == "tinygemm":  # its per-channel int8 kind takes qweight (codes - 128) as it is
                 self._prepared[backend] = tinygemm.prepare(qt, self.qweight if self.bits == 8 else None)
             elif backend == "amx":
-                runs = cpu_gemm.available() or cpu_gemv.available()  # the AMX GEMM or the GEMV reads it
+                runs = packed_kernel(1) or packed_kernel(_AMX_MIN_M)  # a kernel reads it
                 self._prepared[backend] = cpu_gemm.prepare(qt) if runs else None
             elif backend == "triton":
                 from quantkit.kernels.triton import qgemm  # CUDA only: Triton loads on first use
@@ -156,14 +182,10 @@ class QLinear(nn.Module):
         """x2 [M, K] -> [M, N] without bias from a bf16 kernel that takes this call, else None."""
         m = x2.shape[0]
         if x2.dtype == torch.bfloat16:
-            if m >= _AMX_MIN_M and cpu_gemm.available():
-                amx = self.prepared("amx")
-                if amx is not None:
-                    return cpu_gemm.matmul_packed(x2, *amx, self.bits)
-            elif 0 < m <= cpu_gemv.MAX_ROWS and cpu_gemv.available():
-                amx = self.prepared("amx")  # the GEMV streams the AMX packing: no copy of its own
-                if amx is not None:
-                    return cpu_gemv.matmul(x2, *amx, self.bits)
+            kind = packed_kernel(m)
+            amx = None if kind is None else self.prepared("amx")
+            if amx is not None:
+                return matmul_packed(kind, x2, *amx, self.bits)
             packed = self.prepared("tinygemm")
             if packed is not None and 0 < m <= _KERNEL_MAX_M[packed[0]]:
                 return tinygemm.matmul(x2, packed)

@@ -1,6 +1,6 @@
 """quant/qlinear.py: QLinear keeps the exact QTensor, its reference forward is dequantize-then-matmul, and every CPU
-packed-kernel path (torch's per-row kernels, the AMX dequant-GEMM of kernels/cpu/gemm.py, the GEMV of
-kernels/cpu/gemv.py on the same packing) reproduces dequantize(qt) @ x.
+packed-kernel path (torch's per-row kernels, the AMX dequant-GEMM of kernels/cpu/gemm.py, the rowwise GEMM of
+kernels/cpu/rowwise_gemm.py and the GEMV of kernels/cpu/gemv.py on the same packing) reproduces dequantize(qt) @ x.
 
 Exactness of the fast paths: the kernels take bf16 inputs and bf16 scale/zero terms and return bf16, so with power-of-two
 scales and one-hot inputs every product and sum is exact (|q - z| <= 255 fits bf16's 8 significant bits): feeding
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.config import QuantScheme
-from quantkit.quant.qlinear import _AMX_MIN_M, QLinear
+from quantkit.quant.qlinear import _AMX_MIN_M, QLinear, packed_kernel
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import gemv as cpu_gemv
 from quantkit.kernels.cpu import tinygemm
@@ -77,22 +77,23 @@ def test_fp32_forward_is_dequantize_then_matmul(case):
 
 
 needs_amx = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU has no AMX (or Linux refused it)")
-# below _AMX_MIN_M rows: the GEMV on the AMX packing (AVX512-BF16, with or without AMX), else torch's per-row kernels
+# from _AMX_MIN_M rows: the AMX GEMM, or the rowwise GEMM on AVX512-BF16 CPUs without AMX
+needs_gemm = pytest.mark.skipif(packed_kernel(_AMX_MIN_M) is None, reason="no AMX or AVX512-BF16 GEMM here")
 GEMV = cpu_gemv.available()
 
 
 def assert_backend(layer: QLinear, rows: int, kind: str) -> None:
-    """The backends a forward of `rows` rows built: the AMX packing alone (the AMX GEMM from _AMX_MIN_M rows, the
-    GEMV below), or torch's per-row kernel of `kind`."""
-    if (rows >= _AMX_MIN_M and cpu_gemm.available()) or (rows < _AMX_MIN_M and GEMV):
+    """The backends a forward of `rows` rows built: gemm.py's packing alone where packed_kernel(rows) runs on it
+    (AMX GEMM, rowwise GEMM, GEMV), else torch's per-row kernel of `kind`."""
+    if packed_kernel(rows) is not None:
         assert "tinygemm" not in layer._prepared and layer._prepared["amx"] is not None
     else:
         assert layer._prepared["tinygemm"][0] == kind
 
 
-# rows per call: 1 and _AMX_MIN_M - 1 the GEMV (or torch's packed kernel of each kind); 24 (padded to 32: two AMX
-# row tiles) the AMX dequant-GEMM
-@pytest.mark.parametrize("chunk", [1, _AMX_MIN_M - 1, pytest.param(24, marks=needs_amx)])
+# rows per call: 1 and _AMX_MIN_M - 1 the GEMV (or torch's packed kernel of each kind); 24 the AMX dequant-GEMM
+# (padded to 32: two AMX row tiles) or the rowwise GEMM
+@pytest.mark.parametrize("chunk", [1, _AMX_MIN_M - 1, pytest.param(24, marks=needs_gemm)])
 @pytest.mark.parametrize("case", list(FAST))
 def test_cpu_kernel_reproduces_the_dequantized_weight_exactly(case, chunk):
     n, k, bits, g, sym, act, kind = FAST[case]
@@ -116,7 +117,7 @@ def test_torch_per_row_kernels_reproduce_the_dequantized_weight_exactly(case):
     assert torch.equal(torch.cat(rows).float(), dequantize(qt).T)
 
 
-@pytest.mark.parametrize("rows", [1, 3, pytest.param(_AMX_MIN_M, marks=needs_amx), pytest.param(70, marks=needs_amx)])
+@pytest.mark.parametrize("rows", [1, 3, pytest.param(_AMX_MIN_M, marks=needs_gemm), pytest.param(70, marks=needs_gemm)])
 @pytest.mark.parametrize("case", list(FAST))
 def test_cpu_kernel_matches_reference_on_random_inputs(case, rows):
     """Tolerance: the kernels round scale and zero terms to bf16 (relative 2^-9 each) and the output to bf16

@@ -16,7 +16,7 @@ from quantkit.benchmark.step import rtn_quantize_linears
 from quantkit.config import QuantScheme
 from quantkit.kernels.cpu import gemv, step_plan
 from quantkit.models.loader import load_model
-from quantkit.quant.qlinear import QLinear
+from quantkit.quant.qlinear import QLinear, packed_kernel
 from quantkit.quant.scheme import quantize_rtn
 from quantkit.serve.config import EngineConfig
 from quantkit.serve.cpu_linear import can_pack
@@ -99,8 +99,10 @@ CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("qwen3", "bf16"), ("phi3", "bf16
 
 
 @pytest.mark.parametrize("name, weights", CASES)
-@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("n", [1, 3, 4, 7])  # 7: W4/W8 on the rowwise GEMM (CPUs without AMX)
 def test_plan_logits_and_kv_equal_the_eager_forward_bit_for_bit(family, name, weights, n):
+    if weights != "bf16" and packed_kernel(n) not in ("gemv", "rowwise"):
+        pytest.skip(f"{n} rows of W4/W8 take the AMX GEMM here: those steps run eagerly")
     runner = runner_for(family(name), weights)
     feeds = prefilled(runner, n)
     assert runner.plans.plan(n) is not None
@@ -128,10 +130,11 @@ def test_the_decode_kernel_path_without_batch_invariance(family):
 
 
 @needs_gemv
-def test_a_batch_above_the_gemv_rows_runs_eagerly(family):
+def test_w4_batches_above_the_gemv_rows_get_a_plan_where_the_rowwise_gemm_takes_them(family):
     runner = runner_for(family("llama"), "w4")
     assert runner.plans.plan(gemv.MAX_ROWS) is not None
-    assert runner.plans.plan(gemv.MAX_ROWS + 1) is None  # its W4 linears take torch's kernels (or the AMX GEMM)
+    rowwise = packed_kernel(gemv.MAX_ROWS + 1) == "rowwise"  # else the AMX GEMM, which has no plan op
+    assert (runner.plans.plan(gemv.MAX_ROWS + 1) is not None) == rowwise
     assert runner_for(family("llama"), "bf16").plans.plan(8) is not None  # the rowwise GEMM takes any rows
 
 
@@ -204,4 +207,9 @@ def test_the_recorder_refuses_what_a_kernel_does_not_take():
     with pytest.raises(ValueError, match="rope"):
         plan.rope(torch.zeros(2, 4, 16, dtype=bf), torch.zeros(2, 2, 16, dtype=bf), torch.zeros(3, dtype=torch.int64),
                   torch.zeros(8, 16))
+    packed = (torch.zeros(2, 32, 16, dtype=torch.uint8), torch.zeros(2, 2, 2, 16, dtype=torch.float16), 32)
+    with pytest.raises(ValueError, match="qgemv"):
+        plan.qgemv(torch.zeros(5, 64, dtype=bf), packed, 4, torch.zeros(5, 32, dtype=bf))  # above MAX_ROWS
+    with pytest.raises(ValueError, match="rowwise_qgemm"):
+        plan.rowwise_qgemm(torch.zeros(5, 64, dtype=bf), packed, 4, torch.zeros(5, 16, dtype=bf))  # y of act's width
     assert len(plan) == 0
