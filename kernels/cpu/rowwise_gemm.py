@@ -66,11 +66,10 @@ def quantized_available() -> bool:
 # qmatmul - x [M, K] bf16 contiguous, gemm.pack_quantized's weight of N columns -> y [M, N] bf16 ([M, N/2] act)
 def qmatmul(x: torch.Tensor, packed, bits: int, act: bool = False) -> torch.Tensor:
     """y = x @ dequantize(W)^T, W dequantized to bf16."""
-    kernel = _quantized_kernel()
-    if kernel is None:
+    if _quantized_kernel() is None:
         raise RuntimeError("rowwise_gemm.qmatmul needs the AVX-512 BF16 build (quantized_available() is False)")
     _check_x(x, _check_quantized(packed, bits))
-    return run_quantized(kernel, x, packed, bits, act)
+    return run_quantized(_library().rowwise_qgemm, x, packed, bits, act)  # looked up per call: timers wrap it
 
 
 # matmul - x [M, K] bf16 contiguous, packed int32 [N/16, K/2, 16], bias bf16 [N] or None -> y [M, N] bf16
