@@ -15,8 +15,8 @@ silu_mul arithmetic), so FusedLinear's gate/up epilogue runs here too.
 
 W4/W8 (`qmatmul`, AVX-512 BF16 builds only): gemm.py's quantized packing, each 64-column panel dequantized to bf16
 once per call into a thread's buffer (dequant.h, as dequantize(qt, bfloat16) rounds), then the same chains: the
-result is `matmul` of the dequantized weight bit for bit. It serves QLinear's decode batches of 5 to 64 rows on CPUs
-without AMX, where torch's per-row int4 kernels cost as much per row as the GEMV.
+result is `matmul` of the dequantized weight bit for bit. It serves QLinear's calls of 5 rows and more on CPUs
+without AMX (qlinear.packed_kernel), where torch's per-row int4 kernels cost as much per row as the GEMV.
 """
 
 from __future__ import annotations
