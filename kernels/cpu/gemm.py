@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.kernels.cpu.build import load_library
-from quantkit.quant.scheme import QTensor, contiguous_groups, dequantize
+from quantkit.quant.scheme import QTensor, contiguous_groups, dequantize, in_group_order
 
 _lib = None
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -225,9 +225,7 @@ def matmul_quantized_ref(x: torch.Tensor, qt: QTensor, act: bool = False) -> tor
 def matmul_packed(x: torch.Tensor, perm: torch.Tensor | None, weight, bits: int, act: bool = False) -> torch.Tensor:
     """y through a packed weight: pack_bf16's (bits 16) or pack_quantized's (4, 8), whose act-order `perm` (or
     None) first puts x's columns into group order; act as in matmul_bf16."""
-    if perm is not None:
-        x = x.index_select(1, perm)
-    x = x.contiguous()
+    x = in_group_order(x, perm)
     return matmul_bf16(x, weight, act) if bits == 16 else matmul_quantized(x, weight, bits, act)
 
 

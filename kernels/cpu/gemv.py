@@ -32,7 +32,7 @@ import torch
 
 from quantkit.kernels.cpu.build import load_library
 from quantkit.kernels.cpu.gemm import _check_quantized, _check_x, matmul_bf16_ref, run_quantized
-from quantkit.quant.scheme import QTensor, dequantize
+from quantkit.quant.scheme import QTensor, dequantize, in_group_order
 
 MAX_ROWS = 4  # gemv.c's MAX_M: rows of x per call
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -71,9 +71,7 @@ def qgemv(x: torch.Tensor, packed, bits: int, act: bool = False) -> torch.Tensor
 def matmul(x: torch.Tensor, perm: torch.Tensor | None, packed, bits: int, act: bool = False) -> torch.Tensor:
     """qgemv through gemm.prepare's (perm, packed): the act-order permutation first puts x's columns in group
     order, as gemm.matmul_packed does."""
-    if perm is not None:
-        x = x.index_select(1, perm)
-    return qgemv(x.contiguous(), packed, bits, act)
+    return qgemv(in_group_order(x, perm), packed, bits, act)
 
 
 # qgemv_ref - x [M, K] bf16, QTensor [N, K] -> [M, N] fp32 ([M, N/2] with act)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from quantkit.quant.scheme import QTensor, contiguous_groups
+from quantkit.quant.scheme import QTensor, contiguous_groups, in_group_order
 
 TINYGEMM_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
 
@@ -73,10 +73,7 @@ def matmul(x2: torch.Tensor, prepared: tuple[str, Any]) -> torch.Tensor:
     if x2.dtype != torch.bfloat16 or x2.dim() != 2:
         raise ValueError(f"x2 must be [M, K] bfloat16, got {tuple(x2.shape)} {x2.dtype}")
     kind, tensors = prepared
-    perm = tensors[0]
-    if perm is not None:
-        x2 = x2.index_select(1, perm)  # act-order: columns into group order
-    x2 = x2.contiguous()
+    x2 = in_group_order(x2, tensors[0])  # act-order: columns into group order
     if kind == "int8":
         _, w8, scale, correction = tensors
         y = torch.ops.aten._weight_int8pack_mm(x2, w8, scale)

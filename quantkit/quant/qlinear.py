@@ -47,7 +47,7 @@ from quantkit.errors import QuantkitError
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import gemv as cpu_gemv
 from quantkit.kernels.cpu import rowwise_gemm, tinygemm
-from quantkit.quant.scheme import QTensor, dequantize, num_groups, pack_nibbles, unpack_nibbles
+from quantkit.quant.scheme import QTensor, dequantize, in_group_order, num_groups, pack_nibbles, unpack_nibbles
 
 # Largest row count M for which the packed kernel beats dequantize + matmul (bf16, 1 thread, bench/qlinear_cpu.py:
 # a kernel costs ~22 us per row per 0.9M weights (~45 us for the two-call int8_hilo), one dequantization ~2 ms).
@@ -74,8 +74,8 @@ def matmul_packed(kind: str, x2: torch.Tensor, perm: torch.Tensor | None, packed
     """y = x2 @ dequantize(W)^T through that kernel (act: silu(gate) * up of alternating gate/up blocks)."""
     if kind == "amx":
         return cpu_gemm.matmul_packed(x2, perm, packed, bits, act)
-    x2 = (x2 if perm is None else x2.index_select(1, perm)).contiguous()
-    return (rowwise_gemm.qmatmul if kind == "rowwise" else cpu_gemv.qgemv)(x2, packed, bits, act)
+    kernel = rowwise_gemm.qmatmul if kind == "rowwise" else cpu_gemv.qgemv
+    return kernel(in_group_order(x2, perm), packed, bits, act)
 
 
 class QLinear(nn.Module):

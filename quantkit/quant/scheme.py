@@ -136,6 +136,12 @@ def contiguous_groups(qt: QTensor) -> Optional[tuple[Optional[torch.Tensor], int
     return perm, g, qt.codes[:, perm]
 
 
+# in_group_order - x [M, K], contiguous_groups' perm int64 [K] or None -> x[:, perm] [M, K] contiguous
+def in_group_order(x: torch.Tensor, perm: Optional[torch.Tensor]) -> torch.Tensor:
+    """x's columns in the group order the CPU kernels' packed weights take (act-order; None: as they are)."""
+    return (x if perm is None else x.index_select(1, perm)).contiguous()
+
+
 def fit_qparams(w: torch.Tensor, scheme: QuantScheme, g_idx: Optional[torch.Tensor] = None, layer: str = "",
                 clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (scales float16 [N, G], zeros uint8 [N, G]) by min/max per group (module docstring).
