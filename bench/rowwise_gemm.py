@@ -7,7 +7,8 @@ lm_head 49152 x 576, plus the fused q|k|v 960 x 576 and gate|up 3072 x 576 (with
 batch-invariant serving runs. Each layer is timed over 30 distinct copies of its weight (4 of the lm_head), as a
 forward pass meets 30 layers, so the weights stream from memory instead of sitting in cache; the figure is
 microseconds per call, the median of --repeats passes over the copies. oneDNN's gate|up row is its plain GEMM
-without the epilogue (what it would have to add on top).
+without the epilogue (what it would have to add on top). On CPUs with AMX, the AMX tile GEMM (kernels/cpu/gemm.py,
+also row-invariant: its threads split columns and every row accumulates K in one order) runs beside them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def main() -> None:
         raise SystemExit("the rowwise GEMM did not build here (no C compiler?)")
     with open("/proc/loadavg") as f:
         print(f"threads {torch.get_num_threads()}, load average {f.read().split()[0]}")
-    print("| N x K | rows | oneDNN prepacked (us) | rowwise (us) | rowwise / oneDNN |")
-    print("|---|---|---|---|---|")
+    amx = cpu_gemm.available()
+    print("| N x K | rows | oneDNN prepacked (us) | rowwise (us) | rowwise / oneDNN |"
+          + (" AMX (us) | AMX / rowwise |" if amx else ""))
+    print("|---|---|---|---|---|" + ("---|---|" if amx else ""))
     gen = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
         weights = layer_weights(n, k, gen)
@@ -40,7 +43,11 @@ def main() -> None:
             t_onednn = onednn_us(x, weights, args.repeats)
             t_rows = per_call_us(lambda w: rowwise_gemm.matmul(x, w, act=act), vnni, args.repeats)
             label = f"{n} x {k}" + (" (+SiLU)" if act else "")
-            print(f"| {label} | {m} | {t_onednn:.0f} | {t_rows:.0f} | {t_rows / t_onednn:.2f}x |", flush=True)
+            row = f"| {label} | {m} | {t_onednn:.0f} | {t_rows:.0f} | {t_rows / t_onednn:.2f}x |"
+            if amx:
+                t_amx = per_call_us(lambda w: cpu_gemm.matmul_bf16(x, w, act=act), vnni, args.repeats)
+                row += f" {t_amx:.0f} | {t_amx / t_rows:.2f}x |"
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,31 @@ def server_command(name: str, args, port: int) -> tuple[list[str], dict, str]:
     raise SystemExit(f"unknown server {name}")
 
 
+def tree_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of `root` and each descendant, keyed "pid command" (Linux /proc)."""
+    procs = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        comm, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        procs[int(stat.parent.name)] = (comm, int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    tree, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        if pid in procs:
+            tree[f"{pid} {procs[pid][0]}"] = procs[pid][2]
+            frontier += [child for child, (_, ppid, _) in procs.items() if ppid == pid]
+    return tree
+
+
+def cpu_split(before: dict[str, float], after: dict[str, float], client_s: float, tokens: int) -> dict[str, float]:
+    """-> ms of CPU per output token by process over the run (the client is this process)."""
+    split = {key: (after[key] - before.get(key, 0.0)) * 1e3 / tokens for key in after}
+    return {**split, "client": client_s * 1e3 / tokens}
+
+
 def measure(name: str, args, prompts, tokenizer) -> dict:
     from quantkit.benchmark.client import run_benchmark
     from quantkit.benchmark.metrics import compute_metrics
@@ -89,13 +114,16 @@ def measure(name: str, args, prompts, tokenizer) -> dict:
         run_benchmark(base, prompts[:1], tokenizer, model, ignore_eos=True)  # warm-up
         count = args.naive_prompts if name in ("naive", "llamacpp") else len(prompts)
         load_before = os.getloadavg()[0]
+        cpu_before, client_before = tree_cpu_s(proc.pid), time.process_time()
         run = run_benchmark(base, prompts[:count], tokenizer, model, ignore_eos=True,
                             max_concurrency=args.concurrency)
         m = compute_metrics(run)
+        cpu_ms = cpu_split(cpu_before, tree_cpu_s(proc.pid), time.process_time() - client_before,
+                           sum(r.output_tokens for r in run.records))
         return {"server": name, "requests": count, "completed": m["completed"],
                 "output_tok_s": m["output_throughput"], "mean_ttft_ms": m["mean_ttft_ms"],
                 "mean_tpot_ms": m["mean_tpot_ms"], "duration_s": run.duration_s,
-                "load_avg": [load_before, os.getloadavg()[0]]}
+                "load_avg": [load_before, os.getloadavg()[0]], "cpu_ms_per_token": cpu_ms}
     finally:
         proc.terminate()
         try:

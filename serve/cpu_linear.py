@@ -1,13 +1,18 @@
 """Serving-time linears for CPU bf16.
 
-PackedLinear: the weight reordered once for the matmul kernel, instead of on every call as aten's mm does. On CPUs
-with AMX the VNNI layout of kernels/cpu/gemm.py (its tile GEMM: 1.5x oneDNN's at decode batch sizes), otherwise
-oneDNN's blocked layout (AMX/AVX-512 BF16 kernels). Same products and fp32 accumulation as nn.Linear.
-Batch-invariant serving (rowwise=True, any CPU): the same VNNI layout through kernels/cpu/rowwise_gemm.py, whose
-row m depends only on x's row m (oneDNN picks its kernel and K blocking by the row count; so does the choice
-between AMX GEMM and GEMV), bias added in fp32 before the one rounding.
+PackedLinear: the weight reordered once for the matmul kernel, instead of on every call as aten's mm does; its
+`kernel` says which:
+  "amx"      CPUs with AMX: the VNNI layout of kernels/cpu/gemm.py, its tile GEMM (1.5x oneDNN's at decode batch
+             sizes, 0.7-1.1x the rowwise GEMM at 1-4 rows and 5-7x faster at 16-64: bench/rowwise_gemm.py). Row m
+             depends only on x's row m (threads split columns; every row sums K in one order), so it serves
+             batch-invariant serving as well; bias added in bf16 after the product's rounding
+  "rowwise"  batch-invariant serving (rowwise=True) without AMX: the same VNNI layout through
+             kernels/cpu/rowwise_gemm.py, also row-invariant, bias added in fp32 before the one rounding
+  "onednn"   otherwise, and for shapes the VNNI layout does not take (N % 16, K % 32): oneDNN's blocked layout,
+             whose kernel and K blocking depend on the row count
+Same products and fp32 accumulation as nn.Linear.
 
-FusedLinear (bf16 on AMX or the rowwise GEMM, W4/W8 on any kernel of qlinear.packed_kernel): the linears that
+FusedLinear (bf16 on the AMX or the rowwise GEMM, W4/W8 on any kernel of qlinear.packed_kernel): the linears that
 read one input (q/k/v, gate/up) as one GEMM on their weights concatenated along N; one call instead of three per
 layer, and the small k/v projections no longer leave a thread idle. Columns are computed independently by every
 kernel, so the fused outputs are the parts' own bit for bit.
@@ -32,23 +37,27 @@ log = logging.getLogger("quantkit.serve")
 
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, batch_hint: int, rowwise: bool = False):
-        """rowwise: run the row-invariant GEMM (batch-invariant serving); a shape it does not take (N % 16,
-        K % 32) keeps oneDNN, and `rowwise` is then False."""
+        """rowwise: a row-invariant kernel (batch-invariant serving): AMX's where it runs, else the rowwise GEMM; a
+        shape neither takes keeps oneDNN (`row_invariant` is then False)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        # [N/16, K/2, 16] or None
-        self.vnni = cpu_gemm.pack_bf16(weight) if rowwise or cpu_gemm.available() else None
-        self.rowwise = rowwise and self.vnni is not None
+        amx = cpu_gemm.available()
+        self.vnni = cpu_gemm.pack_bf16(weight) if rowwise or amx else None  # [N/16, K/2, 16] or None
+        self.kernel = "onednn" if self.vnni is None else "amx" if amx else "rowwise"
         self.onednn = None if self.vnni is not None else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
 
+    @property
+    def row_invariant(self) -> bool:
+        return self.kernel != "onednn"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in_features] bf16 -> [..., out_features]
-        if self.vnni is None:
+        if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.rowwise:
+        if self.kernel == "rowwise":
             return rowwise_gemm.matmul(x2, self.vnni, self.bias).view(*x.shape[:-1], self.out_features)
         y = cpu_gemm.matmul_bf16(x2, self.vnni)
         if self.bias is not None:
@@ -61,14 +70,14 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def pack_linears(model: nn.Module, batch_hint: int, rowwise: bool = False) -> int:
-    """Replace every plain nn.Linear of `model` (not QLinear) by a PackedLinear, in place (rowwise: on the
-    row-invariant GEMM; a layer it does not take is logged); returns how many."""
+    """Replace every plain nn.Linear of `model` (not QLinear) by a PackedLinear, in place (rowwise: on a
+    row-invariant kernel; a layer neither takes is logged); returns how many."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear]
     for parent, name, child in swaps:
         packed = PackedLinear(child, batch_hint, rowwise)
-        if rowwise and not packed.rowwise:
-            log.warning("%s.%s (%d x %d) runs on oneDNN: batch invariance does not hold for it (the rowwise GEMM "
+        if rowwise and not packed.row_invariant:
+            log.warning("%s.%s (%d x %d) runs on oneDNN: batch invariance does not hold for it (the VNNI layout "
                         "needs out_features %% 16 == 0 and in_features %% 32 == 0)", type(parent).__name__, name,
                         child.out_features, child.in_features)
         setattr(parent, name, packed)
@@ -92,7 +101,7 @@ class FusedLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.sizes = [p.out_features for p in parts]
         self.weight, self.bits, self.perm = weight, bits, perm  # bits 16: bf16 VNNI
-        self.rowwise = rowwise  # bf16 parts on the row-invariant GEMM
+        self.rowwise = rowwise  # bf16 parts on the rowwise GEMM (PackedLinear.kernel "rowwise")
         object.__setattr__(self, "mlp", mlp)  # a plain reference back to the owner, not a submodule
         self.act = mlp is not None
         biases = [p.bias for p in parts]
@@ -109,12 +118,12 @@ class FusedLinear(nn.Module):
                            or any(p.bias is not None for p in parts)):
             return None
         if all(isinstance(p, PackedLinear) and p.vnni is not None for p in parts):
-            if len({p.rowwise for p in parts}) != 1:
+            if len({p.kernel for p in parts}) != 1:
                 return None
             weight = _concat([p.vnni for p in parts], interleave)
             for p, view in zip(parts, _split(weight, [p.vnni.shape[0] for p in parts], interleave)):
                 p.vnni = view
-            return cls(parts, weight, 16, None, mlp, parts[0].rowwise)
+            return cls(parts, weight, 16, None, mlp, parts[0].kernel == "rowwise")
         if not all(isinstance(p, QLinear) for p in parts):
             return None
         kernels = [p.prepared("amx") for p in parts]  # (perm, (codes, qparams, gs)) or None

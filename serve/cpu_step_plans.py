@@ -36,9 +36,8 @@ from quantkit.serve.prepare import FusedAttention, FusedMLP
 log = logging.getLogger("quantkit.serve")
 
 MAX_PLAN_BATCH = 64  # sequences: above, a step's Python is a small share of its kernels and the buffers grow
-# the W4/W8 kernels of qlinear.packed_kernel a plan records (the AMX GEMM has no plan op: on AMX CPUs W4/W8 steps of
-# 5 or more sequences run eagerly)
-_PLAN_KERNELS = {"gemv": Plan.qgemv, "rowwise": Plan.rowwise_qgemm}
+# the W4/W8 kernels of qlinear.packed_kernel, by name, as a plan records them
+_PLAN_KERNELS = {"gemv": Plan.qgemv, "rowwise": Plan.rowwise_qgemm, "amx": Plan.qgemm}
 
 
 def unsupported(runner) -> Optional[str]:
@@ -228,10 +227,11 @@ class Plans:
     def _linear(self, plan: Plan, lin, x: torch.Tensor, y: torch.Tensor) -> bool:
         """y = lin(x), as lin's own forward computes it at x's row count (serve/cpu_linear.py, QLinear._cpu)."""
         if isinstance(lin, PackedLinear):
-            if not lin.rowwise:
-                return False
-            plan.rowwise_gemm(x, lin.vnni, lin.bias, y)
-            return True
+            if lin.kernel == "rowwise":
+                plan.rowwise_gemm(x, lin.vnni, lin.bias, y)
+            elif lin.kernel == "amx":
+                self._amx_gemm(plan, x, lin.vnni, lin.bias, y, False)
+            return lin.kernel != "onednn"
         kind = packed_kernel(x.shape[0])
         if type(lin) is not QLinear or kind not in _PLAN_KERNELS:
             return False
@@ -248,7 +248,10 @@ class Plans:
         if fusion.rowwise:
             plan.rowwise_gemm(x, fusion.weight, None if fusion.act else fusion.bias, y, fusion.act)
             return True
-        kind = None if fusion.bits == 16 else packed_kernel(x.shape[0])
+        if fusion.bits == 16:  # AMX's
+            self._amx_gemm(plan, x, fusion.weight, None if fusion.act else fusion.bias, y, fusion.act)
+            return True
+        kind = packed_kernel(x.shape[0])
         if kind not in _PLAN_KERNELS or fusion.perm is not None or (
                 fusion.act and not isinstance(fusion.mlp.ops, CpuFusedOps)):
             return False
@@ -256,4 +259,11 @@ class Plans:
         if fusion.bias is not None and not fusion.act:
             plan.add_rows(y, self._bf16(fusion.bias))
         return True
+
+    def _amx_gemm(self, plan: Plan, x: torch.Tensor, vnni: torch.Tensor, bias: Optional[torch.Tensor],
+                  y: torch.Tensor, act: bool) -> None:
+        """y = x @ W^T on AMX's tile GEMM, then y += bias rounded to bf16 (PackedLinear's and FusedLinear's order)."""
+        plan.gemm_bf16(x, vnni, y, act)
+        if bias is not None:
+            plan.add_rows(y, self._bf16(bias))
 

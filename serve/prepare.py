@@ -8,9 +8,10 @@ On CPU, bf16:
   3. on AMX CPUs q/k/v and gate/up run as one GEMM each (W4/W8 also on CPUs with the GEMV, AVX512-BF16, for
      decode-sized calls): the Attention and MLP modules become FusedAttention and FusedMLP, whose project() /
      activated() call a FusedLinear over the same parts (outputs bit-identical).
-Batch-invariant (EngineConfig.batch_invariant, bf16 on CPU with the C kernels): step 1 packs for the row-invariant
-GEMM of kernels/cpu/rowwise_gemm.py instead (every plain Linear, the lm_head included), and step 3 fuses on it on
-any CPU; the attention backend then runs every query row as a decode item (serve/attention.py).
+Batch-invariant (EngineConfig.batch_invariant, bf16 on CPU with the C kernels): step 1 packs every plain Linear,
+the lm_head included, for a row-invariant kernel (AMX's tile GEMM where it runs, else kernels/cpu/rowwise_gemm.py's
+GEMM: serve/cpu_linear.py), and step 3 fuses on it on any CPU; the attention backend then runs every query row as a
+decode item (serve/attention.py).
 State-dict keys and parameters are unchanged by all three (the fused weights are views of the parts').
 On CUDA, each MoE block with float or W4/W8 experts runs them as fused grouped GEMMs (serve/moe_fusion.py).
 """
@@ -65,7 +66,7 @@ def batch_invariant_mode(asked: bool, device: torch.device, dtype: torch.dtype, 
                     "request is batched with")
         return False
     if native_kernels and rowwise_gemm.available() and load_rows_kernel() is not None:
-        if not rowwise_gemm.vectorised():
+        if not (cpu_gemm.available() or rowwise_gemm.vectorised()):
             log.warning("batch-invariant serving: this CPU has no AVX-512 BF16, so the row-invariant GEMM runs its "
                         "portable C path (slower than oneDNN); --no-batch-invariant trades invariance for speed")
         return True

@@ -16,7 +16,9 @@ weight may be a view of whole blocks of a larger one (any stride between blocks,
 Tiling: a pass computes 32 rows x 32 columns in four fp32 accumulator tiles (two x row tiles times two weight
 blocks: four tile loads per four TDPBF16PS; 1.5x oneDNN's bf16 matmul at 64 rows on SmolLM2's shapes). Threads
 split the column-block pairs; rows go in chunks of M_CHUNK so a chunk of x stays in L2 while the weights stream
-past it. A last partial row tile (M % 16 rows) is read from a zero-padded copy. The quantized GEMM dequantizes a
+past it. Up to 16 rows (decode), a pass is one row tile times four weight blocks (four weight streams in flight).
+Row invariance (what batch-invariant serving takes this GEMM for, serve/cpu_linear.py): every output element is
+the same TDPBF16PS sequence over K in order into a zeroed tile, whatever M, the tiling or the thread count. A last partial row tile (M % 16 rows) is read from a zero-padded copy. The quantized GEMM dequantizes a
 pair of column blocks into an L2 buffer and runs all rows on it (`qgemm`, decode-sized M); above _FUSED_MAX_M rows
 the whole weight is dequantized once into a per-thread scratch and the bf16 GEMM runs on that.
 

@@ -10,20 +10,21 @@
 
 #define OP_WORDS 20
 enum { OP_ADD_RMS_NORM, OP_ROPE, OP_SILU_MUL, OP_KV_STORE, OP_QGEMV, OP_ROWWISE_GEMM, OP_PAGED_DECODE, OP_PAGED_ROWS,
-       OP_COPY_ROWS, OP_ADD_ROWS, OP_ROWWISE_QGEMM };
+       OP_COPY_ROWS, OP_ADD_ROWS, OP_ROWWISE_QGEMM, OP_GEMM_BF16, OP_QGEMM };
 
-/* the other libraries' kernels (fused.c, gemv.c, rowwise_gemm.c, paged_decode.c), as they are declared there */
+/* the other libraries' kernels (fused.c, gemv.c, rowwise_gemm.c, gemm.c, paged_decode.c), as declared there */
 typedef void (*add_rms_norm_fn)(const void*, int64_t, const void*, void*, const void*, void*, int, int, float, int,
                                 int);
 typedef void (*rope_fn)(void*, int64_t, int, void*, int64_t, int, const int64_t*, const float*, int, int, int, int);
 typedef void (*silu_mul_fn)(const void*, int64_t, const void*, int64_t, void*, int, int, int, int);
 typedef void (*kv_store_fn)(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int, int64_t,
                             int);
-/* gemv.c's qgemv and rowwise_gemm.c's rowwise_qgemm (gemm.c's qgemm arguments) */
+/* gemv.c's qgemv, rowwise_gemm.c's rowwise_qgemm and gemm.c's qgemm (the AMX one): one argument list */
 typedef void (*qgemv_fn)(const uint16_t*, int, int, const uint8_t*, int64_t, const uint16_t*, int64_t, int, int, int,
                          uint16_t*, int, int);
 typedef void (*rowwise_gemm_fn)(const uint16_t*, int, int, const uint32_t*, int64_t, int, const uint16_t*, uint16_t*,
                                 int, int);
+typedef void (*gemm_bf16_fn)(const uint16_t*, int, int, const uint32_t*, int64_t, int, uint16_t*, int, int);
 typedef void (*paged_decode_fn)(const void*, const void*, const void*, const int32_t*, const int32_t*, void*, int, int,
                                 int, int, int, int, float, int, int);
 typedef void (*paged_rows_fn)(const void*, const void*, const void*, const int32_t*, const int32_t*, const int32_t*,
@@ -66,9 +67,11 @@ void run_plan(const int64_t* ops, int n, int threads) {
       case OP_KV_STORE: ((kv_store_fn)fn)(P(0), a[1], P(2), a[3], P(4), P(5), P(6), I(7), a[8], threads); break;
       case OP_QGEMV:
       case OP_ROWWISE_QGEMM:
+      case OP_QGEMM:
         ((qgemv_fn)fn)(P(0), I(1), I(2), P(3), a[4], P(5), a[6], I(7), I(8), I(9), P(10), threads, I(11));
         break;
       case OP_ROWWISE_GEMM: ((rowwise_gemm_fn)fn)(P(0), I(1), I(2), P(3), a[4], I(5), P(6), P(7), threads, I(8)); break;
+      case OP_GEMM_BF16: ((gemm_bf16_fn)fn)(P(0), I(1), I(2), P(3), a[4], I(5), P(6), threads, I(7)); break;
       case OP_PAGED_DECODE:
         ((paged_decode_fn)fn)(P(0), P(1), P(2), P(3), P(4), P(5), I(6), I(7), I(8), I(9), I(10), I(11),
                               bits_f32(a[12]), I(13), threads);

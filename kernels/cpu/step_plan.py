@@ -6,9 +6,9 @@ must stay where they are (the plan holds a reference to each), so a replay reads
 them and writes the same outputs; the thread count is read at replay. The launchers' checks (shapes, strides,
 dtypes) are the recorder's: each method checks what its kernel assumes, once, when the plan is built.
 Kernels: fused.c (add_rms_norm, rope, silu_mul, kv_store), gemv.c (qgemv), rowwise_gemm.c (rowwise_gemm,
-rowwise_qgemm), paged_decode.c
-(paged_decode, paged_rows), and step_plan.c's own copy_rows and add_rows. bf16 activations (the GEMV and the
-rowwise GEMM are bf16 kernels); the attention and per-token kernels are recorded in their tensors' dtype.
+rowwise_qgemm), gemm.c (gemm_bf16, qgemm: the AMX tile GEMMs, where AMX runs), paged_decode.c (paged_decode,
+paged_rows), and step_plan.c's own copy_rows and add_rows. bf16 activations (the GEMV and the GEMMs are bf16
+kernels); the attention and per-token kernels are recorded in their tensors' dtype.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import struct
 import torch
 
 from quantkit.kernels.cpu import fused, gemv, paged_decode, rowwise_gemm
+from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu.build import DTYPE_CODES, load_library
-from quantkit.kernels.cpu.gemm import _check_quantized, _check_x, _strides
-from quantkit.kernels.cpu.rowwise_gemm import _check_vnni
+from quantkit.kernels.cpu.gemm import _FUSED_MAX_M, _check_quantized, _check_vnni, _check_x, _strides
 
 OP_WORDS = 20  # step_plan.c's OP_WORDS: kind, function, up to 18 arguments
 KINDS = ["add_rms_norm", "rope", "silu_mul", "kv_store", "qgemv", "rowwise_gemm", "paged_decode", "paged_rows",
-         "copy_rows", "add_rows", "rowwise_qgemm"]  # step_plan.c's enum, in order
+         "copy_rows", "add_rows", "rowwise_qgemm", "gemm_bf16", "qgemm"]  # step_plan.c's enum, in order
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"run_plan": [_P, _INT, _INT], "copy_rows": [_P, _I64, _P, _P, _I64, _INT, _I64],
               "add_rows": [_P, _I64, _P, _I64, _INT, _INT]}
@@ -40,6 +40,25 @@ def available() -> bool:
     GEMV, AVX512-BF16 only, is checked per linear: qgemv_available)."""
     return _library() is not None and load_library("fused", fused.SIGNATURES) is not None \
         and paged_decode._library() is not None and rowwise_gemm.available()
+
+
+def _amx_library(kind: str) -> ctypes.CDLL:
+    if not cpu_gemm.available():
+        raise ValueError(f"{kind}: this CPU has no AMX (or the AMX GEMMs did not build)")
+    return cpu_gemm._library()
+
+
+def _check_gemm(kind: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                act: bool) -> tuple[int, int]:
+    """What the bf16 GEMMs assume of x, the VNNI weight, the bias (bf16 [N] or None, never with act) and y -> (M, N)."""
+    _check_x(x, _check_vnni(packed))
+    m, n = x.shape[0], packed.shape[0] * 16
+    if y.shape != (m, n // 2 if act else n) or y.dtype is not torch.bfloat16 or not y.is_contiguous() or (
+            bias is not None and (act or bias.dtype is not torch.bfloat16 or bias.shape != (n,)
+                                  or not bias.is_contiguous())):
+        raise ValueError(f"{kind}: x {tuple(x.shape)}, weight of {n} columns, y {tuple(y.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)} (act {act})")
+    return m, n
 
 
 def _address(lib: ctypes.CDLL, name: str) -> int:
@@ -141,8 +160,12 @@ class Plan:
             raise ValueError("rowwise_qgemm: this build has no AVX-512 BF16 rowwise GEMM")
         self._quantized("rowwise_qgemm", rowwise_gemm._library(), None, x, packed, bits, y, act)
 
+    # qgemm - as qgemv, up to gemm._FUSED_MAX_M rows (where matmul_quantized runs it; gemm.available() must hold)
+    def qgemm(self, x: torch.Tensor, packed, bits: int, y: torch.Tensor, act: bool = False) -> None:
+        self._quantized("qgemm", _amx_library("qgemm"), _FUSED_MAX_M, x, packed, bits, y, act)
+
     def _quantized(self, kind: str, lib, max_rows: int | None, x, packed, bits: int, y, act: bool) -> None:
-        """One of the two kernels of gemm.c's qgemm arguments, from 1 to max_rows (None: any) rows."""
+        """One of the three kernels of gemm.c's qgemm arguments, from 1 to max_rows (None: any) rows."""
         _check_x(x, _check_quantized(packed, bits))
         codes, qparams, gs = packed
         m, n = x.shape[0], codes.shape[0] * 16
@@ -157,16 +180,17 @@ class Plan:
     # rowwise_gemm - x [M, K] bf16 contiguous, pack_bf16's weight [N/16, K/2, 16], bias bf16 [N] or None -> y
     def rowwise_gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                      act: bool = False) -> None:
-        _check_x(x, _check_vnni(packed))
-        m, n = x.shape[0], packed.shape[0] * 16
-        if y.shape != (m, n // 2 if act else n) or y.dtype is not torch.bfloat16 or not y.is_contiguous() or (
-                bias is not None and (act or bias.dtype is not torch.bfloat16 or bias.shape != (n,)
-                                      or not bias.is_contiguous())):
-            raise ValueError(f"rowwise_gemm: x {tuple(x.shape)}, weight of {n} columns, y {tuple(y.shape)}, bias "
-                             f"{None if bias is None else tuple(bias.shape)} (act {act})")
+        m, n = _check_gemm("rowwise_gemm", x, packed, bias, y, act)
         self._record("rowwise_gemm", rowwise_gemm._library(),
                      [x.data_ptr(), m, x.shape[1], packed.data_ptr(), packed.stride(0), n, _ptr(bias), y.data_ptr(),
                       int(act)], x, packed, bias, y)
+
+    # gemm_bf16 - as rowwise_gemm without a bias (gemm.c's AMX tile GEMM; gemm.available() must hold)
+    def gemm_bf16(self, x: torch.Tensor, packed: torch.Tensor, y: torch.Tensor, act: bool = False) -> None:
+        lib = _amx_library("gemm_bf16")
+        m, n = _check_gemm("gemm_bf16", x, packed, None, y, act)
+        self._record("gemm_bf16", lib, [x.data_ptr(), m, x.shape[1], packed.data_ptr(), packed.stride(0), n,
+                                        y.data_ptr(), int(act)], x, packed, y)
 
     # paged_decode - q [S, Hq, D] contiguous, caches [NB, BS, Hkv, D], tables int32 [S, MB], lens int32 [S] -> out
     def paged_decode(self, q, k_cache, v_cache, tables, lens, scale: float, out) -> None:

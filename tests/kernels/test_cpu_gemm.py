@@ -64,6 +64,26 @@ def test_random_rows_match_the_fp32_reference(rows):
     assert bool(((y.float() - ref).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("act", [False, True])
+def test_a_row_is_the_same_bits_in_every_batch_and_thread_count(act):
+    """What batch-invariant serving relies on (serve/cpu_linear.py): row i of an M-row call equals row i computed
+    alone and at another offset, for M across row tiles, padded tails and row chunks, at 1 and 2 threads."""
+    w = weight(64, K, seed=2)  # four blocks: two gate/up pairs for act
+    x = torch.randn(300, K, generator=torch.Generator().manual_seed(3)).bfloat16()
+    packed = cpu_gemm.pack_bf16(w)
+    alone = torch.cat([cpu_gemm.matmul_bf16(x[i:i + 1].contiguous(), packed, act) for i in range(x.shape[0])])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 2, 5, 16, 17, 33, 64, 129, 293):
+                for start in (0, 7):
+                    y = cpu_gemm.matmul_bf16(x[start:start + m].contiguous(), packed, act)
+                    assert torch.equal(y, alone[start:start + m]), (threads, m, start)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_packed_linear_matches_nn_linear():
     linear = nn.Linear(K, N, bias=True).bfloat16()
     x = torch.randn(2, 5, K).bfloat16()

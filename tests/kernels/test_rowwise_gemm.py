@@ -1,5 +1,6 @@
 """kernels/cpu/rowwise_gemm.py (the row-invariant bf16 GEMM) and its serving modules (PackedLinear(rowwise=True),
-FusedLinear over them) against independent references, and the property serving relies on: a row's output bits
+FusedLinear over them; on AMX CPUs those modules run AMX's tile GEMM, also row-invariant, and are tested on both
+kernels) against independent references, and the property serving relies on: a row's output bits
 depend on that row alone, not on how many rows share the call, where it sits among them, or the thread count.
 
 Exactness: one-hot rows select single weights (one bf16 product summed in fp32 and rounded back is the weight), so
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from quantkit.kernels.cpu import build, rowwise_gemm
+from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.kernels.cpu.gemm import pack_bf16
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig, TorchOps
@@ -32,6 +34,17 @@ ROW_COUNTS = (1, 2, 3, 5, 17, 64, 65, 300)  # register-block tails (M % 4), one 
 def built():
     if not rowwise_gemm.available():
         pytest.fail("the rowwise GEMM did not build: a C compiler (gcc) is expected on this machine")
+
+
+@pytest.fixture(params=["rowwise", "amx"])
+def invariant_kernel(request, monkeypatch) -> str:
+    """The row-invariant kernel PackedLinear(rowwise=True) takes: the rowwise GEMM (AMX reported absent, as on CPUs
+    without it) or AMX's tile GEMM (skipped without AMX)."""
+    if request.param == "amx" and not cpu_gemm.available():
+        pytest.skip("the CPU has no AMX (or Linux refused it)")
+    if request.param == "rowwise":
+        monkeypatch.setattr(cpu_gemm, "available", lambda: False)
+    return request.param
 
 
 def weight(n=N, k=K, seed=0) -> torch.Tensor:
@@ -154,10 +167,10 @@ def test_portable_path_keeps_the_order_and_the_invariance(tmp_path, monkeypatch)
     assert torch.equal(eye_out, w.T)
 
 
-def test_packed_linear_rowwise_matches_nn_linear():
+def test_packed_linear_rowwise_matches_nn_linear(invariant_kernel):
     linear = nn.Linear(K, N, bias=True).bfloat16()
     layer = PackedLinear(linear, batch_hint=64, rowwise=True)
-    assert layer.rowwise and layer.vnni is not None
+    assert layer.kernel == invariant_kernel and layer.row_invariant and layer.vnni is not None
     x = rows(10).view(2, 5, K)
     torch.testing.assert_close(layer(x).float(), nn.functional.linear(x.float(), linear.weight.float(),
                                                                         linear.bias.float()), atol=2e-2, rtol=2**-7)
@@ -170,13 +183,14 @@ def test_unfit_shapes_stay_on_onednn_with_a_warning(caplog):
     holder = nn.Sequential(nn.Linear(K, 40).bfloat16())  # N % 16: the rowwise GEMM does not take it
     with caplog.at_level("WARNING", logger="quantkit.serve"):
         assert pack_linears(holder, batch_hint=64, rowwise=True) == 1
-    assert not holder[0].rowwise and holder[0].onednn is not None and "batch invariance does not hold" in caplog.text
+    assert holder[0].kernel == "onednn" and not holder[0].row_invariant and holder[0].onednn is not None
+    assert "batch invariance does not hold" in caplog.text
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 21, 300])
-def test_fused_rowwise_projections_give_the_unfused_outputs_bit_for_bit(tokens):
+def test_fused_rowwise_projections_give_the_unfused_outputs_bit_for_bit(tokens, invariant_kernel):
     """The tiny llama (biased q/k/v, so the fused bias path runs) packed rowwise, with the fused ops: fusing q/k/v
-    and gate/up(-SiLU) on the rowwise GEMM leaves the logits' bits unchanged."""
+    and gate/up(-SiLU) on the row-invariant GEMM leaves the logits' bits unchanged."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(ModelConfig.from_hf(tiny_hf_config("llama", attention_bias=True))).bfloat16().eval()
     pack_linears(model, batch_hint=64, rowwise=True)
@@ -186,6 +200,7 @@ def test_fused_rowwise_projections_give_the_unfused_outputs_bit_for_bit(tokens):
         before = model(ids)
         assert fuse_projections(model) == 4  # 2 layers x (qkv, gate/up-SiLU)
         attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-        assert isinstance(attn, FusedAttention) and attn.fused_qkv.rowwise and attn.q_proj.bias is not None
+        assert isinstance(attn, FusedAttention) and attn.q_proj.bias is not None
+        assert attn.fused_qkv.rowwise == (invariant_kernel == "rowwise")
         assert isinstance(mlp, FusedMLP) and isinstance(mlp.fused_gate_up, FusedLinear) and mlp.fused_gate_up.act
         assert torch.equal(model(ids), before)

@@ -14,6 +14,7 @@ import torch
 
 from quantkit.benchmark.step import rtn_quantize_linears
 from quantkit.config import QuantScheme
+from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import gemv, step_plan
 from quantkit.models.loader import load_model
 from quantkit.quant.qlinear import QLinear, packed_kernel
@@ -99,10 +100,10 @@ CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("qwen3", "bf16"), ("phi3", "bf16
 
 
 @pytest.mark.parametrize("name, weights", CASES)
-@pytest.mark.parametrize("n", [1, 3, 4, 7])  # 7: W4/W8 on the rowwise GEMM (CPUs without AMX)
+@pytest.mark.parametrize("n", [1, 3, 4, 7])  # 7: W4/W8 on the AMX GEMM, or the rowwise GEMM without AMX
 def test_plan_logits_and_kv_equal_the_eager_forward_bit_for_bit(family, name, weights, n):
-    if weights != "bf16" and packed_kernel(n) not in ("gemv", "rowwise"):
-        pytest.skip(f"{n} rows of W4/W8 take the AMX GEMM here: those steps run eagerly")
+    if weights != "bf16" and packed_kernel(n) is None:
+        pytest.skip(f"{n} rows of W4/W8 have no C kernel here: those steps run eagerly")
     runner = runner_for(family(name), weights)
     feeds = prefilled(runner, n)
     assert runner.plans.plan(n) is not None
@@ -118,24 +119,27 @@ def test_plan_logits_and_kv_equal_the_eager_forward_bit_for_bit(family, name, we
 @needs_gemv
 def test_the_decode_kernel_path_without_batch_invariance(family):
     """batch_invariant off: the decode attention kernel (paged_decode) instead of the row kernel; bf16 linears then
-    run on oneDNN, which has no C entry point: a model of bf16 decoder linears gets no plan, the bf16 lm_head of a
-    W4 one runs after the replay."""
+    run on AMX's tile GEMM where it runs, else on oneDNN, which has no C entry point: a model of bf16 decoder
+    linears then gets no plan, and the bf16 lm_head of a W4 one runs after the replay."""
     runner = runner_for(family("llama"), "w4", batch_invariant=False)
     assert runner.attn.rows_kernel is None and runner.attn.decode_kernel is not None
     feeds = prefilled(runner, 2)
     got, eager, kv, eager_kv = plan_and_eager(runner, feeds)
     assert torch.equal(got, eager) and torch.equal(kv, eager_kv)
-    assert runner.plans.eager_head == {2}
-    assert runner_for(family("llama"), "bf16", batch_invariant=False).plans.plan(1) is None
+    on_onednn = runner.model.lm_head.kernel == "onednn"
+    assert on_onednn != cpu_gemm.available()
+    assert runner.plans.eager_head == ({2} if on_onednn else set())
+    bf16_plan = runner_for(family("llama"), "bf16", batch_invariant=False).plans.plan(1)
+    assert (bf16_plan is None) == on_onednn
 
 
 @needs_gemv
-def test_w4_batches_above_the_gemv_rows_get_a_plan_where_the_rowwise_gemm_takes_them(family):
+def test_w4_batches_above_the_gemv_rows_get_a_plan_on_the_gemm_that_takes_them(family):
     runner = runner_for(family("llama"), "w4")
     assert runner.plans.plan(gemv.MAX_ROWS) is not None
-    rowwise = packed_kernel(gemv.MAX_ROWS + 1) == "rowwise"  # else the AMX GEMM, which has no plan op
-    assert (runner.plans.plan(gemv.MAX_ROWS + 1) is not None) == rowwise
-    assert runner_for(family("llama"), "bf16").plans.plan(8) is not None  # the rowwise GEMM takes any rows
+    assert packed_kernel(gemv.MAX_ROWS + 1) in ("amx", "rowwise")
+    assert runner.plans.plan(gemv.MAX_ROWS + 1) is not None
+    assert runner_for(family("llama"), "bf16").plans.plan(8) is not None  # AMX's or the rowwise GEMM: any rows
 
 
 @pytest.mark.parametrize("name, reason", [("gemma2", "Gemma 2"), ("mixtral", "MoE")])
@@ -212,4 +216,9 @@ def test_the_recorder_refuses_what_a_kernel_does_not_take():
         plan.qgemv(torch.zeros(5, 64, dtype=bf), packed, 4, torch.zeros(5, 32, dtype=bf))  # above MAX_ROWS
     with pytest.raises(ValueError, match="rowwise_qgemm"):
         plan.rowwise_qgemm(torch.zeros(5, 64, dtype=bf), packed, 4, torch.zeros(5, 16, dtype=bf))  # y of act's width
+    with pytest.raises(ValueError, match="qgemm"):  # no AMX here, or a y of act's width
+        plan.qgemm(torch.zeros(5, 64, dtype=bf), packed, 4, torch.zeros(5, 16, dtype=bf))
+    with pytest.raises(ValueError, match="gemm_bf16"):  # no AMX here, or a y of the wrong width
+        plan.gemm_bf16(torch.zeros(5, 64, dtype=bf), torch.zeros(2, 32, 16, dtype=torch.int32),
+                       torch.zeros(5, 16, dtype=bf))
     assert len(plan) == 0
