@@ -16,6 +16,9 @@ output tokens/s, mean TTFT and mean TPOT come from the same client for every ser
 --naive-prompts: the naive server serialises requests, so its throughput does not depend on how many are queued;
 a smaller number measures the same rate sooner (the table says how many it got). --concurrency N: at most N
 requests in flight (1: one request at a time, the interactive user's latency) instead of all at once.
+Each JSON row also gives cpu_ms_per_token: CPU milliseconds (user + system, from /proc) per output token over the
+timed run, of every process of the server (keyed "pid command": for quantkit the HTTP front end and its engine
+process) and of the client (this process), to show where a served rate below the engine's own goes.
 """
 
 from __future__ import annotations
