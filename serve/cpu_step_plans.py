@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from quantkit.kernels.cpu import logits as cpu_logits
 from quantkit.kernels.cpu import step_plan
 from quantkit.kernels.cpu.fused import CpuFusedOps, rope_table_rows
 from quantkit.kernels.cpu.step_plan import Plan
@@ -99,6 +100,7 @@ class Plans:
         self._keep: list[torch.Tensor] = []  # bf16 copies the plans read (biases)
         self.plans: dict[int, Optional[Plan]] = {}
         self.eager_head: set[int] = set()  # batch sizes whose plan ends at the final norm
+        self._logits32: Optional[torch.Tensor] = None  # fp32 [top, V]: the logits a step returns, valid until the next
         self.vocab = mc.vocab_size
 
     def plan(self, n: int) -> Optional[Plan]:
@@ -126,7 +128,12 @@ class Plans:
         model = self.runner.model
         if n in self.eager_head:
             return model.logits(self._buffer("normed", model.config.hidden_size)[:n])
-        return model.softcapped(self._buffer("logits", self.vocab)[:n])
+        raw = self._buffer("logits", self.vocab)[:n]
+        if model.config.final_logit_softcapping is not None or not cpu_logits.available():
+            return model.softcapped(raw)
+        if self._logits32 is None:
+            self._logits32 = torch.empty(self.top, self.vocab)
+        return cpu_logits.to_float(raw, self._logits32[:n])  # softcapped's float(), into a buffer the next step reuses
 
     def _buffer(self, name: str, cols: int) -> torch.Tensor:
         """A bf16 [top, cols] buffer, one per (name, width), shared by every plan."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.kernels.cpu.logits import first_argmax
 from quantkit.serve.sampling_params import SamplingParams
 from quantkit.serve.structured import mask_rows
 
@@ -108,7 +109,7 @@ class Sampler:
         logits = self._constrain(logits, seqs, params)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = logits.max(dim=-1).indices  # first maximum, like argmax, and 3x faster on CPU
+            tokens = first_argmax(logits)  # the first maximum, as torch.max (a C kernel on CPU)
         else:
             tokens = self._sample(logits, params, generators, greedy)
         token_list = tokens.tolist()

@@ -111,6 +111,7 @@ void gemm_bf16(const uint16_t* x, int M, int K, const uint32_t* w, int64_t ws, i
                int act) {
   const int nblocks = N / 16, pairs = (nblocks + 1) / 2;
   const int64_t yn = act ? N / 2 : N;
+  if (M == 0) return;
   uint16_t* xpad = pad_tail(x, M, K);
   if (M <= 16) {  /* threads take consecutive pairs, two at a time: four blocks per pass */
     #pragma omp parallel num_threads(threads)

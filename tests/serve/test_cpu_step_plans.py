@@ -89,7 +89,7 @@ def plan_and_eager(runner, feeds):
     runner.kv_pool.copy_(before)
     input_ids, positions, meta, _ = runner.flatten(feeds)
     got = runner.plans.logits(SimpleNamespace(input_ids=input_ids, positions=positions, meta=meta), len(feeds))
-    return got, eager, runner.kv_pool.clone(), eager_kv
+    return got.clone(), eager, runner.kv_pool.clone(), eager_kv  # (got lives in a buffer the next replay reuses)
 
 
 # llama: plain; qwen2: q/k/v biases, layer 1 sliding; qwen3: q/k RMSNorm; phi3: fused gate_up split at load
