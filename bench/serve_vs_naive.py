@@ -98,6 +98,7 @@ def tree_cpu_s(root: int) -> dict[str, float]:
 
 def cpu_split(before: dict[str, float], after: dict[str, float], client_s: float, tokens: int) -> dict[str, float]:
     """-> ms of CPU per output token by process over the run (the client is this process)."""
+    tokens = max(tokens, 1)  # a server that answered nothing: its CPU in ms, not per token
     split = {key: (after[key] - before.get(key, 0.0)) * 1e3 / tokens for key in after}
     return {**split, "client": client_s * 1e3 / tokens}
 
