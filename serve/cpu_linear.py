@@ -6,10 +6,12 @@ PackedLinear: the weight reordered once for the matmul kernel, instead of on eve
              sizes, 0.7-1.1x the rowwise GEMM at 1-4 rows and 5-7x faster at 16-64: bench/rowwise_gemm.py). Row m
              depends only on x's row m (threads split columns; every row sums K in one order), so it serves
              batch-invariant serving as well; bias added in bf16 after the product's rounding
-  "rowwise"  batch-invariant serving (rowwise=True) without AMX: the same VNNI layout through
-             kernels/cpu/rowwise_gemm.py, also row-invariant, bias added in fp32 before the one rounding
+  "rowwise"  batch-invariant serving (rowwise=True) without AMX, and every mode on CPUs without oneDNN's bf16
+             kernels (AVX2: torch's bf16 GEMM there is a portable path, 2.5-8x slower): the same VNNI layout
+             through kernels/cpu/rowwise_gemm.py, also row-invariant, bias added in fp32 before the one rounding
   "onednn"   otherwise, and for shapes the VNNI layout does not take (N % 16, K % 32): oneDNN's blocked layout,
-             whose kernel and K blocking depend on the row count
+             whose kernel and K blocking depend on the row count (without oneDNN's bf16 kernels such a shape is not
+             packed: it stays an nn.Linear)
 Same products and fp32 accumulation as nn.Linear.
 
 FusedLinear (bf16 on the AMX or the rowwise GEMM, W4/W8 on any kernel of qlinear.packed_kernel): the linears that
@@ -43,7 +45,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         amx = cpu_gemm.available()
-        self.vnni = cpu_gemm.pack_bf16(weight) if rowwise or amx else None  # [N/16, K/2, 16] or None
+        self.vnni = cpu_gemm.pack_bf16(weight) if rowwise or amx or not onednn_bf16() else None  # [N/16, K/2, 16]
         self.kernel = "onednn" if self.vnni is None else "amx" if amx else "rowwise"
         self.onednn = None if self.vnni is not None else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
@@ -66,22 +68,27 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16()
+    """Whether serving packs bf16 Linears here: oneDNN has bf16 kernels, or the rowwise GEMM runs a SIMD build."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and (onednn_bf16() or rowwise_gemm.vectorised())
 
 
 def pack_linears(model: nn.Module, batch_hint: int, rowwise: bool = False) -> int:
     """Replace every plain nn.Linear of `model` (not QLinear) by a PackedLinear, in place (rowwise: on a
-    row-invariant kernel; a layer neither takes is logged); returns how many."""
+    row-invariant kernel; a layer neither takes is logged; without oneDNN's bf16 kernels only the shapes the VNNI
+    layout takes); returns how many."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear]
+    packed = 0
     for parent, name, child in swaps:
-        packed = PackedLinear(child, batch_hint, rowwise)
-        if rowwise and not packed.row_invariant:
-            log.warning("%s.%s (%d x %d) runs on oneDNN: batch invariance does not hold for it (the VNNI layout "
-                        "needs out_features %% 16 == 0 and in_features %% 32 == 0)", type(parent).__name__, name,
-                        child.out_features, child.in_features)
-        setattr(parent, name, packed)
-    return len(swaps)
+        fits = cpu_gemm.vnni_fits(child.out_features, child.in_features)
+        if rowwise and not fits:
+            log.warning("%s.%s (%d x %d) runs on %s: batch invariance does not hold for it (the VNNI layout needs "
+                        "out_features %% 16 == 0 and in_features %% 32 == 0)", type(parent).__name__, name,
+                        child.out_features, child.in_features, "oneDNN" if onednn_bf16() else "torch's bf16 linear")
+        if fits or onednn_bf16():
+            setattr(parent, name, PackedLinear(child, batch_hint, rowwise))
+            packed += 1
+    return packed
 
 
 class FusedLinear(nn.Module):

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from quantkit.kernels.cpu import gemm as cpu_gemm
-from quantkit.kernels.cpu import gemv as cpu_gemv
 from quantkit.kernels.cpu import rowwise_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.kernels.cpu.paged_decode import load_rows_kernel
@@ -61,14 +60,14 @@ def batch_invariant_mode(asked: bool, device: torch.device, dtype: torch.dtype, 
     if not (asked and device.type == "cpu" and dtype == torch.bfloat16):
         return False
     if not can_pack(dtype, device):
-        log.warning("batch-invariant serving needs oneDNN's bf16 kernels, which this CPU lacks (AVX-512 BW/VL/DQ or "
-                    "AVX-NE-CONVERT): bf16 runs on torch's own kernels, and greedy output may depend on what a "
-                    "request is batched with")
+        log.warning("batch-invariant serving needs oneDNN's bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT) or the "
+                    "rowwise GEMM's AVX2 build, neither of which runs here: bf16 runs on torch's own kernels, and "
+                    "greedy output may depend on what a request is batched with")
         return False
     if native_kernels and rowwise_gemm.available() and load_rows_kernel() is not None:
         if not (cpu_gemm.available() or rowwise_gemm.vectorised()):
-            log.warning("batch-invariant serving: this CPU has no AVX-512 BF16, so the row-invariant GEMM runs its "
-                        "portable C path (slower than oneDNN); --no-batch-invariant trades invariance for speed")
+            log.warning("batch-invariant serving: the row-invariant GEMM runs its portable C path here (slower than "
+                        "oneDNN); --no-batch-invariant trades invariance for speed")
         return True
     log.warning("batch-invariant serving needs the C kernels (attention_backend auto and a C compiler): greedy "
                 "output may depend on what a request is batched with")
@@ -91,8 +90,7 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
     ops = CpuFusedOps.load(TorchOps) if device.type == "cpu" and fused_ops else None
     if ops is not None:
         model.set_ops(ops)
-    if device.type == "cpu" and dtype == torch.bfloat16 and (cpu_gemm.available() or cpu_gemv.available()
-                                                              or batch_invariant):
+    if device.type == "cpu" and dtype == torch.bfloat16:  # FusedLinear.of refuses parts without a shared packing
         log.info("fused %d q/k/v and gate/up-SiLU projections", fuse_projections(model))
     if device.type == "cuda":
         from quantkit.serve.moe_fusion import fuse_moe  # imports triton: CUDA only

@@ -116,9 +116,14 @@ def _out_columns(n: int, act: bool) -> int:
 
 
 # pack_bf16 - w [N, K] bf16 -> int32 [N/16, K/2, 16] (VNNI bit patterns), or None when N % 16 or K % 32
+def vnni_fits(n: int, k: int) -> bool:
+    """Whether the VNNI layout takes an [N, K] weight."""
+    return n % 16 == 0 and k % 32 == 0
+
+
 def pack_bf16(w: torch.Tensor):
     n, k = w.shape
-    if n % 16 or k % 32:
+    if not vnni_fits(n, k):
         return None
     pairs = _column_pairs(w.detach().contiguous().view(torch.int16)).contiguous()  # [N/16, K/2, 16, 2]
     return pairs.view(torch.int32).view(n // 16, k // 2, 16)

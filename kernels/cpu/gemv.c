@@ -15,6 +15,7 @@
                           alone left 25-35% of one core's bandwidth unused (4096 x 4096, 48 copies: 7 -> 10 GB/s) */
 #define INLINE static inline __attribute__((always_inline))
 
+#if defined(__AVX512BF16__)
 /* y[m][j] (16 columns of block j, fp32) for rows m < M over the NB (1 or 2) blocks c[j] (codes [K/2][16]: per r,
    16 bytes (4-bit, byte n = q[n, 2r] | q[n, 2r + 1] << 4) or 16 words (8-bit, q[n, 2r] | q[n, 2r + 1] << 8)) with
    qparams q[j] ([G][2][16] fp16: scale, zero). xf: x in fp32 [M][K]; xsum [M][G] its sums over each group. Codes
@@ -110,6 +111,91 @@ INLINE void pair_rows(const int M, const int bits, const float* xf, const float*
     store_rows(M, 1, acc, y, yn, 32 * p, 0);
   }
 }
+
+#else
+/* AVX2 + FMA + F16C: the AVX-512 build's arithmetic lane for lane (the same two FMA chains per column, the same
+   group step), each 16-column block as two 8-lane halves, so the two builds give the same bits. */
+
+/* fp32 y[m][16] of one 16-column block (codes c, qparams q as block_rows') for rows m < M */
+INLINE void block16(const int M, const int bits, const float* xf, const float* xsum, int K, int gs, const uint8_t* c,
+                    const uint16_t* q, float y[MAX_M][16]) {
+  const int groups = K / gs, per_group = gs / 2;
+  const int row_bytes = bits == 4 ? 16 : 32;
+  const float unit = bits == 4 ? 16.f : 256.f;
+  const __m256i one = _mm256_set1_epi32(0x3F800000);
+  const __m256i mask = _mm256_set1_epi32(bits == 4 ? 0x00780000 : 0x007F8000);
+  __m256 acc[MAX_M][2];
+  for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int g = 0; g < groups; g++) {
+    __m256 a[2][MAX_M][2];  /* [k parity][row][half] */
+    for (int h = 0; h < 2; h++)
+      for (int m = 0; m < M; m++) a[h][m][0] = a[h][m][1] = _mm256_setzero_ps();
+    for (int r = g * per_group; r < (g + 1) * per_group; r++) {
+      __m256 w[2][2];  /* [half][k parity]: 1 + q / U of 8 columns */
+      if ((r * row_bytes) % 64 == 0) _mm_prefetch((const char*)c + (int64_t)r * row_bytes + PREFETCH, _MM_HINT_T0);
+      if (bits == 4) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i*)(c + (int64_t)r * 16));
+        const __m256i v[2] = {_mm256_cvtepu8_epi32(bytes), _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
+        for (int h = 0; h < 2; h++) {
+          w[h][0] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(v[h], 19), mask), one));
+          w[h][1] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(v[h], 15), mask), one));
+        }
+      } else {
+        const __m256i words = _mm256_loadu_si256((const __m256i*)(c + (int64_t)r * 32));
+        const __m256i v[2] = {_mm256_cvtepu16_epi32(_mm256_castsi256_si128(words)),
+                              _mm256_cvtepu16_epi32(_mm256_extracti128_si256(words, 1))};
+        for (int h = 0; h < 2; h++) {
+          w[h][0] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(v[h], 15), mask), one));
+          w[h][1] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(v[h], 7), mask), one));
+        }
+      }
+      for (int m = 0; m < M; m++) {
+        const float* xr = xf + (int64_t)m * K + 2 * r;
+        const __m256 x0 = _mm256_broadcast_ss(xr), x1 = _mm256_broadcast_ss(xr + 1);
+        for (int h = 0; h < 2; h++) {
+          a[0][m][h] = _mm256_fmadd_ps(w[h][0], x0, a[0][m][h]);
+          a[1][m][h] = _mm256_fmadd_ps(w[h][1], x1, a[1][m][h]);
+        }
+      }
+    }
+    const uint16_t* qg = q + (int64_t)g * 32;
+    for (int h = 0; h < 2; h++) {
+      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(qg + 8 * h)));
+      const __m256 zu = _mm256_add_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(qg + 16 + 8 * h))),
+                                      _mm256_set1_ps(unit));
+      for (int m = 0; m < M; m++) {
+        const __m256 t = _mm256_mul_ps(_mm256_add_ps(a[0][m][h], a[1][m][h]), _mm256_set1_ps(unit));
+        const __m256 d = _mm256_fnmadd_ps(zu, _mm256_set1_ps(xsum[m * groups + g]), t);
+        acc[m][h] = _mm256_fmadd_ps(s, d, acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; m++) {
+    _mm256_storeu_ps(y[m], acc[m][0]);
+    _mm256_storeu_ps(y[m] + 8, acc[m][1]);
+  }
+}
+
+/* one pair p of column blocks, as the AVX-512 pair_rows (the rounding in common.h's f32_to_bf16, nearest even) */
+INLINE void pair_rows(const int M, const int bits, const float* xf, const float* xsum, int K, int gs,
+                      const uint8_t* codes, int64_t cs, const uint16_t* qp, int64_t qs, int nblocks, int p,
+                      uint16_t* y, int64_t yn, int act) {
+  float v[2][MAX_M][16];
+  const int b = 2 * p, nb = b + 1 < nblocks ? 2 : 1;
+  for (int j = 0; j < nb; j++)
+    block16(M, bits, xf, xsum, K, gs, codes + (b + j) * cs, qp + (b + j) * qs, v[j]);
+  for (int m = 0; m < M; m++) {
+    uint16_t* o = y + m * yn + (act ? 16 * p : 32 * p);
+    if (act) {
+      for (int c = 0; c < 16; c++)
+        o[c] = f32_to_bf16(silu_times(bf16_to_f32(f32_to_bf16(v[0][m][c])), bf16_to_f32(f32_to_bf16(v[1][m][c]))));
+      continue;
+    }
+    for (int j = 0; j < nb; j++)
+      for (int c = 0; c < 16; c++) o[16 * j + c] = f32_to_bf16(v[j][m][c]);
+  }
+}
+#endif
 
 #define PAIR_CASE(MM, BITS) \
   case MM: pair_rows(MM, BITS, xf, xsum, K, gs, codes, cs, qp, qs, nblocks, p, y, yn, act); break;

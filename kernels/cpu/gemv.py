@@ -1,5 +1,6 @@
-"""W4/W8 GEMV for decode-sized calls (1 to MAX_ROWS rows) on AVX-512 CPUs (gemv.c, built once by build.py):
-y = x @ dequantize(W)^T with x and y bf16, streaming the weight once per call.
+"""W4/W8 GEMV for decode-sized calls (1 to MAX_ROWS rows) on AVX-512 BF16 and AVX2 CPUs (gemv.c, built once by
+build.py): y = x @ dequantize(W)^T with x and y bf16, streaming the weight once per call. The AVX2 build does the
+AVX-512 build's arithmetic lane for lane, in two 8-lane halves of each 16-column block: the same bits.
 
 Weight: gemm.py's pack_quantized layout, the very tensors QLinear already holds for the AMX GEMM (no second copy):
   codes  4-bit: uint8 [N/16, K/2, 16]  byte = q[n, 2r] | q[n, 2r + 1] << 4;  8-bit: uint16 (int16) q | q' << 8
@@ -41,7 +42,7 @@ _lib = None
 
 
 def _library():
-    """The compiled kernel, or None without AVX512-BF16 (its bf16 rounding) or a compiler."""
+    """The compiled kernel, or None without AVX2 + FMA + F16C (AVX512-BF16 CPUs have them too) or a compiler."""
     global _lib
     if _lib is None:
         try:
@@ -49,7 +50,7 @@ def _library():
                 flags = next((line.split() for line in f if line.startswith("flags")), [])
         except OSError:
             flags = []
-        _lib = (load_library("gemv", SIGNATURES) if "avx512_bf16" in flags and "avx512bw" in flags else None) or False
+        _lib = (load_library("gemv", SIGNATURES) if {"avx2", "fma", "f16c"} <= set(flags) else None) or False
     return _lib or None
 
 

@@ -2,7 +2,8 @@
    gemm.py's VNNI layout (blocks of 16 columns [K/2][16], element [r][n] = W[n, 2r] | W[n, 2r + 1] << 16).
 
    Invariant: every y[m, n] is one fp32 chain that starts at 0 and takes the K/2 pairs r = 0, 1, ... in order
-   (AVX-512 BF16: acc = dpbf16(acc, x[m, 2r..2r+1], W[n, 2r..2r+1]); elsewhere two fp32 multiply-adds per pair),
+   (AVX-512 BF16: acc = dpbf16(acc, x[m, 2r..2r+1], W[n, 2r..2r+1]); AVX2 + FMA: two fused multiply-adds per pair,
+   k = 2r then 2r + 1; elsewhere two rounded multiply-adds per pair),
    then adds bias[n] in fp32 and rounds to bf16 once (nearest even). Nothing in that chain depends on M, on which
    rows or columns share a register block, or on the thread: register blocks of MR rows x NR column blocks only
    decide which chains run side by side, threads split (column panel, row chunk) items, and K is never split. */
@@ -79,6 +80,76 @@ static void run_block(int mr, int nr, const uint32_t* x32, int K2, int m0, const
     BLOCK_CASE(1, 4) BLOCK_CASE(1, 3) BLOCK_CASE(1, 2) BLOCK_CASE(1, 1)
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "avx2.h"
+
+/* acc[i][h] (columns 8h.. of the 16-column block wb) for rows i < mr of xf (fp32 [mr][K]) */
+static inline __attribute__((always_inline)) void block16(const int mr, const float* xf, int K, const uint32_t* wb,
+                                                          __m256 acc[MR][2]) {
+  for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int r = 0; r < K / 2; r++) {
+    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + (int64_t)r * 16));
+    const __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + (int64_t)r * 16 + 8));
+    const __m256 e0 = even8(v0), o0 = odd8(v0), e1 = even8(v1), o1 = odd8(v1);
+    for (int i = 0; i < mr; i++) {
+      const __m256 x0 = _mm256_broadcast_ss(xf + (int64_t)i * K + 2 * r);
+      const __m256 x1 = _mm256_broadcast_ss(xf + (int64_t)i * K + 2 * r + 1);
+      acc[i][0] = _mm256_fmadd_ps(x1, o0, _mm256_fmadd_ps(x0, e0, acc[i][0]));
+      acc[i][1] = _mm256_fmadd_ps(x1, o1, _mm256_fmadd_ps(x0, e1, acc[i][1]));
+    }
+  }
+}
+
+/* this thread's fp32 copy of up to MR rows of x: grown on demand, kept for the thread's life (MR * K floats) */
+static _Thread_local float* row_scratch;
+static _Thread_local int row_scratch_k;
+
+static inline __attribute__((always_inline)) void block_avx2(
+    const int mr, const int nr, const uint32_t* x32, int K2, int m0, const uint32_t* wb, int64_t ws, int j0,
+    const uint16_t* bias, uint16_t* y, int64_t yn, int act) {
+  const int K = 2 * K2;
+  if (row_scratch_k < K) {
+    free(row_scratch);
+    row_scratch = aligned_alloc(32, sizeof(float) * MR * (size_t)K);
+    row_scratch_k = K;
+  }
+  float* xf = row_scratch;
+  const uint16_t* x = (const uint16_t*)(x32 + (int64_t)m0 * K2);
+  for (int64_t e = 0; e < (int64_t)mr * K; e++) xf[e] = bf16_to_f32(x[e]);
+  __m256 acc[MR][2], up[MR][2];
+  for (int j = 0; j < nr; j += act ? 2 : 1) {
+    block16(mr, xf, K, wb + (int64_t)j * ws, acc);
+    if (act) block16(mr, xf, K, wb + (int64_t)(j + 1) * ws, up);
+    for (int i = 0; i < mr; i++) {
+      uint16_t* out = y + (int64_t)(m0 + i) * yn;
+      if (act) {
+        float g[16] __attribute__((aligned(32))), u[16] __attribute__((aligned(32)));
+        _mm256_store_ps(g, acc[i][0]);
+        _mm256_store_ps(g + 8, acc[i][1]);
+        _mm256_store_ps(u, up[i][0]);
+        _mm256_store_ps(u + 8, up[i][1]);
+        for (int c = 0; c < 16; c++)
+          out[8 * (j0 + j) + c] = f32_to_bf16(silu_times(round_bf16(g[c]), round_bf16(u[c])));
+        continue;
+      }
+      for (int h = 0; h < 2; h++) {
+        const int col = 16 * (j0 + j) + 8 * h;
+        __m256 v = acc[i][h];
+        if (bias) v = _mm256_add_ps(v, even8(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(bias + col)))));
+        _mm_storeu_si128((__m128i*)(out + col), bf16x8(v));
+      }
+    }
+  }
+}
+
+#define BLOCK_CASE(R) \
+  case R: block_avx2(R, nr, x32, K2, m0, wb, ws, j0, bias, y, yn, act); break;
+
+/* every row count as its own constant-size instance: the accumulators stay in registers */
+static void run_block(int mr, int nr, const uint32_t* x32, int K2, int m0, const uint32_t* wb, int64_t ws, int j0,
+                      const uint16_t* bias, uint16_t* y, int64_t yn, int act) {
+  switch (mr) { BLOCK_CASE(4) BLOCK_CASE(3) BLOCK_CASE(2) BLOCK_CASE(1) }
+}
 #else
 /* portable: the same chain per element in plain C (gcc -std=c11 does not contract a * b + c, so each pair is two
    rounded multiply-adds in this order); vectorised over the 16 columns of a block, never over K */
@@ -114,9 +185,11 @@ static void run_block(int mr, int nr, const uint32_t* x32, int K2, int m0, const
 }
 #endif
 
-/* 1 when this build runs the AVX-512 BF16 kernel, 0 for the portable C one */
-int rowwise_gemm_avx512bf16(void) {
+/* which chain this build runs: 2 the AVX-512 BF16 kernel, 1 the AVX2 + FMA one, 0 the portable C one */
+int rowwise_gemm_isa(void) {
 #if defined(__AVX512BF16__)
+  return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
   return 1;
 #else
   return 0;
@@ -142,7 +215,7 @@ void rowwise_gemm(const uint16_t* x, int M, int K, const uint32_t* w, int64_t ws
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include "dequant.h"
 
 /* y [M, N] bf16 (act: [M, N / 2]) = x [M, K] bf16 @ dequantize(W)^T, W in gemm.py's W4/W8 packing (N / 16 blocks,

@@ -1,6 +1,7 @@
 """Row-invariant bf16 GEMM for batch-invariant CPU serving (rowwise_gemm.c, built once by build.py):
 y = x @ W^T (+ bias) with x and y bf16, fp32 accumulation, on any CPU with a C compiler (AVX-512 BF16 where the
-CPU has it, plain C with the same order otherwise).
+CPU has it, else AVX2 + FMA, else plain C; each its own fixed order). On AVX2 CPUs, where oneDNN has no bf16
+kernels and torch's bf16 GEMM runs a portable path, it is bf16 serving's GEMM in every mode (serve/cpu_linear.py).
 
 Invariant (what serving relies on): row m of the result depends only on row m of x and on W, bit for bit, whatever
 M, the other rows, the thread count or the call (decode, prefill chunk, speculative verify). Each output element
@@ -13,7 +14,7 @@ Register blocks of 4 rows x 4 column blocks (16 accumulators); threads split (64
 items. act: the blocks alternate gate and up, and the result is silu(bf16(gate)) * bf16(up) [M, N/2] (fused.py's
 silu_mul arithmetic), so FusedLinear's gate/up epilogue runs here too.
 
-W4/W8 (`qmatmul`, AVX-512 BF16 builds only): gemm.py's quantized packing, each 64-column panel dequantized to bf16
+W4/W8 (`qmatmul`, AVX-512 BF16 and AVX2 builds): gemm.py's quantized packing, each 64-column panel dequantized to bf16
 once per call into a thread's buffer (dequant.h, as dequantize(qt, bfloat16) rounds), then the same chains: the
 result is `matmul` of the dequantized weight bit for bit. It serves QLinear's calls of 5 rows and more on CPUs
 without AMX (qlinear.packed_kernel), where torch's per-row int4 kernels cost as much per row as the GEMV.
@@ -43,15 +44,24 @@ def available() -> bool:
     return _library() is not None
 
 
+ISAS = {2: "avx512_bf16", 1: "avx2", 0: "portable"}  # rowwise_gemm_isa()'s codes
+
+
+def isa() -> str | None:
+    """The chain this build runs: "avx512_bf16", "avx2" (+ FMA) or "portable" (plain C, several times slower than
+    either); None without a build."""
+    return ISAS[_library().rowwise_gemm_isa()] if available() else None
+
+
 def vectorised() -> bool:
-    """Whether the build runs the AVX-512 BF16 kernel (False: the portable C one, several times slower)."""
-    return available() and bool(_library().rowwise_gemm_avx512bf16())
+    """Whether the build runs a SIMD kernel (AVX-512 BF16 or AVX2), fast enough to serve bf16 with."""
+    return isa() in ("avx512_bf16", "avx2")
 
 
 @functools.cache
 def _quantized_kernel():
-    """rowwise_qgemm with its argtypes, or None: only an AVX-512 BF16 build exports it."""
-    if not vectorised():
+    """rowwise_qgemm with its argtypes, or None: the AVX-512 BF16 and AVX2 (+ F16C) builds export it."""
+    if not vectorised() or not hasattr(_library(), "rowwise_qgemm"):
         return None
     fn = _library().rowwise_qgemm
     fn.restype, fn.argtypes = None, QGEMM_SIGNATURE
@@ -67,7 +77,7 @@ def quantized_available() -> bool:
 def qmatmul(x: torch.Tensor, packed, bits: int, act: bool = False) -> torch.Tensor:
     """y = x @ dequantize(W)^T, W dequantized to bf16."""
     if _quantized_kernel() is None:
-        raise RuntimeError("rowwise_gemm.qmatmul needs the AVX-512 BF16 build (quantized_available() is False)")
+        raise RuntimeError("rowwise_gemm.qmatmul needs an AVX-512 BF16 or AVX2 build (quantized_available() is False)")
     _check_x(x, _check_quantized(packed, bits))
     return run_quantized(_library().rowwise_qgemm, x, packed, bits, act)  # looked up per call: timers wrap it
 

@@ -21,7 +21,9 @@ from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.kernels.cpu.gemm import pack_bf16
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig, TorchOps
-from quantkit.serve.cpu_linear import FusedLinear, PackedLinear, can_pack, pack_linears
+from quantkit.kernels.cpu.capability import onednn_bf16
+from quantkit.serve import cpu_linear
+from quantkit.serve.cpu_linear import FusedLinear, PackedLinear, pack_linears
 from quantkit.serve.prepare import FusedAttention, FusedMLP, fuse_projections
 from tests.conftest import tiny_hf_config
 
@@ -61,10 +63,16 @@ def within_bf16(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Te
     return bool(((y.float() - ref).abs() <= bound).all())
 
 
-def test_the_build_runs_the_avx512_bf16_kernel_where_the_cpu_has_it():
+def cpu_flags() -> list[str]:
     with open("/proc/cpuinfo") as f:
-        flags = next((line.split() for line in f if line.startswith("flags")), [])
-    assert rowwise_gemm.vectorised() == ("avx512_bf16" in flags)
+        return next((line.split() for line in f if line.startswith("flags")), [])
+
+
+def test_the_build_runs_the_widest_chain_the_cpu_has():
+    flags = cpu_flags()
+    expected = "avx512_bf16" if "avx512_bf16" in flags else "avx2" if {"avx2", "fma"} <= set(flags) else "portable"
+    assert rowwise_gemm.isa() == expected
+    assert rowwise_gemm.vectorised() == (expected != "portable")
 
 
 @pytest.mark.parametrize("m", [1, 5, 64, 300])
@@ -139,14 +147,20 @@ def test_launcher_refuses_what_the_kernel_does_not_take():
     assert rowwise_gemm.matmul(x[:0], packed).shape == (0, N)
 
 
-def test_portable_path_keeps_the_order_and_the_invariance(tmp_path, monkeypatch):
-    """rowwise_gemm.c built without AVX-512 BF16 (its plain C chain): within bf16 of the reference, one-hot exact,
-    and a row's bits independent of the batch."""
-    monkeypatch.setattr(build, "FLAGS", [*build.FLAGS, "-mno-avx512bf16"])
-    lib_path = tmp_path / "rowwise_portable.so"
+NARROWER_BUILDS = {"avx2": ["-mno-avx512bf16"], "portable": ["-mno-avx512bf16", "-mno-avx2", "-mno-fma"]}
+
+
+@pytest.mark.parametrize("chain", sorted(NARROWER_BUILDS))
+def test_narrower_builds_keep_the_order_and_the_invariance(chain, tmp_path, monkeypatch):
+    """rowwise_gemm.c built without AVX-512 BF16 (its AVX2 + FMA chain) or without AVX2 either (its plain C
+    chain): within bf16 of the reference, one-hot exact, and a row's bits independent of the batch."""
+    if chain == "avx2" and not {"avx2", "fma"} <= set(cpu_flags()):
+        pytest.skip("the CPU has no AVX2 + FMA")
+    monkeypatch.setattr(build, "FLAGS", [*build.FLAGS, *NARROWER_BUILDS[chain]])
+    lib_path = tmp_path / f"rowwise_{chain}.so"
     build._build(build.SOURCES / "rowwise_gemm.c", lib_path)
     lib = ctypes.CDLL(str(lib_path))
-    assert lib.rowwise_gemm_avx512bf16() == 0
+    assert rowwise_gemm.ISAS[lib.rowwise_gemm_isa()] == chain
     fn = lib.rowwise_gemm
     fn.restype, fn.argtypes = None, rowwise_gemm.SIGNATURES["rowwise_gemm"]
     w, x = weight(), rows(70)
@@ -176,15 +190,30 @@ def test_packed_linear_rowwise_matches_nn_linear(invariant_kernel):
                                                                         linear.bias.float()), atol=2e-2, rtol=2**-7)
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
-                    reason="oneDNN has no bf16 kernels on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): serving "
-                           "packs nothing here (serve/prepare.py), so there is no oneDNN fallback to keep")
-def test_unfit_shapes_stay_on_onednn_with_a_warning(caplog):
+def test_unfit_shapes_keep_a_batch_dependent_kernel_with_a_warning(caplog):
+    """A shape the VNNI layout does not take stays on oneDNN where it has bf16 kernels, else on torch's own linear
+    (not packed); either way the warning says invariance does not hold for it."""
     holder = nn.Sequential(nn.Linear(K, 40).bfloat16())  # N % 16: the rowwise GEMM does not take it
     with caplog.at_level("WARNING", logger="quantkit.serve"):
-        assert pack_linears(holder, batch_hint=64, rowwise=True) == 1
-    assert holder[0].kernel == "onednn" and not holder[0].row_invariant and holder[0].onednn is not None
+        packed = pack_linears(holder, batch_hint=64, rowwise=True)
+    if onednn_bf16():
+        assert packed == 1 and holder[0].kernel == "onednn" and not holder[0].row_invariant
+    else:
+        assert packed == 0 and type(holder[0]) is nn.Linear
     assert "batch invariance does not hold" in caplog.text
+
+
+def test_without_onednn_bf16_every_mode_packs_for_the_rowwise_gemm(monkeypatch):
+    """CPUs whose oneDNN has no bf16 kernels (AVX2): torch's bf16 GEMM is a portable path there, so serving's
+    default (non-invariant) packing takes the rowwise GEMM too; shapes it does not take stay nn.Linear."""
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: False)
+    monkeypatch.setattr(cpu_gemm, "available", lambda: False)
+    holder = nn.Sequential(nn.Linear(K, N, bias=True), nn.Linear(K, 40)).bfloat16()
+    w, b = holder[0].weight.detach(), holder[0].bias.detach()
+    assert pack_linears(holder, batch_hint=64) == 1
+    assert holder[0].kernel == "rowwise" and holder[0].row_invariant and type(holder[1]) is nn.Linear
+    x = rows(7)
+    assert within_bf16(holder[0](x), rowwise_gemm.matmul_ref(x, w, b), x, w)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 21, 300])
