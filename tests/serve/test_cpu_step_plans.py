@@ -16,6 +16,7 @@ from quantkit.benchmark.step import rtn_quantize_linears
 from quantkit.config import QuantScheme
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import gemv, step_plan
+from quantkit.kernels.cpu.capability import onednn_bf16
 from quantkit.models.loader import load_model
 from quantkit.quant.qlinear import QLinear, packed_kernel
 from quantkit.quant.scheme import quantize_rtn
@@ -33,7 +34,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 
 BLOCK, MAX_MODEL_LEN = 4, 128
 W4, W8 = QuantScheme(bits=4, group_size=32, sym=False), QuantScheme(bits=8, group_size=32, sym=True)
-needs_gemv = pytest.mark.skipif(not gemv.available(), reason="no AVX512-BF16: W4/W8 decode has no C GEMV here")
+needs_gemv = pytest.mark.skipif(not gemv.available(), reason="no AVX2 + FMA + F16C: W4/W8 decode has no C GEMV here")
 
 
 @pytest.fixture(scope="module")
@@ -119,15 +120,16 @@ def test_plan_logits_and_kv_equal_the_eager_forward_bit_for_bit(family, name, we
 @needs_gemv
 def test_the_decode_kernel_path_without_batch_invariance(family):
     """batch_invariant off: the decode attention kernel (paged_decode) instead of the row kernel; bf16 linears then
-    run on AMX's tile GEMM where it runs, else on oneDNN, which has no C entry point: a model of bf16 decoder
-    linears then gets no plan, and the bf16 lm_head of a W4 one runs after the replay."""
+    run on AMX's tile GEMM where it runs, else on oneDNN where it has bf16 kernels (no C entry point: a model of
+    bf16 decoder linears then gets no plan, and the bf16 lm_head of a W4 one runs after the replay), else (AVX2)
+    on the rowwise GEMM."""
     runner = runner_for(family("llama"), "w4", batch_invariant=False)
     assert runner.attn.rows_kernel is None and runner.attn.decode_kernel is not None
     feeds = prefilled(runner, 2)
     got, eager, kv, eager_kv = plan_and_eager(runner, feeds)
     assert torch.equal(got, eager) and torch.equal(kv, eager_kv)
     on_onednn = runner.model.lm_head.kernel == "onednn"
-    assert on_onednn != cpu_gemm.available()
+    assert on_onednn == (onednn_bf16() and not cpu_gemm.available())
     assert runner.plans.eager_head == ({2} if on_onednn else set())
     bf16_plan = runner_for(family("llama"), "bf16", batch_invariant=False).plans.plan(1)
     assert (bf16_plan is None) == on_onednn
