@@ -1,4 +1,5 @@
-"""The row-invariant bf16 GEMM (kernels/cpu/rowwise_gemm.py) against oneDNN's prepacked matmul, side by side.
+"""The row-invariant bf16 GEMM (kernels/cpu/rowwise_gemm.py) against what bf16 would run without it, side by side:
+oneDNN's prepacked matmul, or on CPUs whose oneDNN has no bf16 kernels (AVX2) torch's own bf16 linear.
 
     python bench/rowwise_gemm.py [--rows 1,8,64,256] [--repeats 5]
 
@@ -17,6 +18,7 @@ import torch
 
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import rowwise_gemm
+from quantkit.kernels.cpu.capability import onednn_bf16
 
 from cpu_gemm import SHAPES, arguments, layer_weights, onednn_us, per_call_us  # bench/cpu_gemm.py: the same runs
 
@@ -29,8 +31,10 @@ def main() -> None:
         raise SystemExit("the rowwise GEMM did not build here (no C compiler?)")
     with open("/proc/loadavg") as f:
         print(f"threads {torch.get_num_threads()}, load average {f.read().split()[0]}")
-    amx = cpu_gemm.available()
-    print("| N x K | rows | oneDNN prepacked (us) | rowwise (us) | rowwise / oneDNN |"
+    amx, onednn = cpu_gemm.available(), onednn_bf16()
+    base = "oneDNN prepacked" if onednn else "torch bf16 linear"
+    print(f"rowwise GEMM build: {rowwise_gemm.isa()}")
+    print(f"| N x K | rows | {base} (us) | rowwise (us) | rowwise / {base} |"
           + (" AMX (us) | AMX / rowwise |" if amx else ""))
     print("|---|---|---|---|---|" + ("---|---|" if amx else ""))
     gen = torch.Generator().manual_seed(0)
@@ -40,7 +44,8 @@ def main() -> None:
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, generator=gen).bfloat16()
             vnni = [cpu_gemm.pack_bf16(w) for w in weights]
-            t_onednn = onednn_us(x, weights, args.repeats)
+            t_onednn = onednn_us(x, weights, args.repeats) if onednn else per_call_us(
+                lambda w: torch.nn.functional.linear(x, w), weights, args.repeats)
             t_rows = per_call_us(lambda w: rowwise_gemm.matmul(x, w, act=act), vnni, args.repeats)
             label = f"{n} x {k}" + (" (+SiLU)" if act else "")
             row = f"| {label} | {m} | {t_onednn:.0f} | {t_rows:.0f} | {t_rows / t_onednn:.2f}x |"

@@ -85,7 +85,8 @@ static void run_block(int mr, int nr, const uint32_t* x32, int K2, int m0, const
 
 /* acc[i][h] (columns 8h.. of the 16-column block wb) for rows i < mr of xf (fp32 [mr][K]) */
 static inline __attribute__((always_inline)) void block16(const int mr, const float* xf, int K, const uint32_t* wb,
-                                                          __m256 acc[MR][2]) {
+                                                          __m256 out[MR][2]) {
+  __m256 acc[MR][2];  /* local, so the compiler keeps it in registers (an out-parameter was stored every pair) */
   for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int r = 0; r < K / 2; r++) {
     const __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + (int64_t)r * 16));
@@ -98,6 +99,7 @@ static inline __attribute__((always_inline)) void block16(const int mr, const fl
       acc[i][1] = _mm256_fmadd_ps(x1, o1, _mm256_fmadd_ps(x0, e1, acc[i][1]));
     }
   }
+  for (int i = 0; i < mr; i++) out[i][0] = acc[i][0], out[i][1] = acc[i][1];
 }
 
 /* this thread's fp32 copy of up to MR rows of x: grown on demand, kept for the thread's life (MR * K floats) */
