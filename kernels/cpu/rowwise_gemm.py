@@ -14,8 +14,8 @@ Register blocks of 4 rows x 4 column blocks (16 accumulators); threads split (64
 items. act: the blocks alternate gate and up, and the result is silu(bf16(gate)) * bf16(up) [M, N/2] (fused.py's
 silu_mul arithmetic), so FusedLinear's gate/up epilogue runs here too.
 
-W4/W8 (`qmatmul`, AVX-512 BF16 and AVX2 builds): gemm.py's quantized packing, each 64-column panel dequantized to bf16
-once per call into a thread's buffer (dequant.h, as dequantize(qt, bfloat16) rounds), then the same chains: the
+W4/W8 (`qmatmul`, AVX-512 BF16 and AVX2 builds): gemm.py's quantized packing, each 64-column panel dequantized to
+bf16 once per call into a thread's buffer (dequant.h, as dequantize(qt, bfloat16) rounds), then the same chains: the
 result is `matmul` of the dequantized weight bit for bit. It serves QLinear's calls of 5 rows and more on CPUs
 without AMX (qlinear.packed_kernel), where torch's per-row int4 kernels cost as much per row as the GEMV.
 """
@@ -77,7 +77,7 @@ def quantized_available() -> bool:
 def qmatmul(x: torch.Tensor, packed, bits: int, act: bool = False) -> torch.Tensor:
     """y = x @ dequantize(W)^T, W dequantized to bf16."""
     if _quantized_kernel() is None:
-        raise RuntimeError("rowwise_gemm.qmatmul needs an AVX-512 BF16 or AVX2 build (quantized_available() is False)")
+        raise RuntimeError("rowwise_gemm.qmatmul needs the AVX-512 BF16 or AVX2 build (quantized_available() False)")
     _check_x(x, _check_quantized(packed, bits))
     return run_quantized(_library().rowwise_qgemm, x, packed, bits, act)  # looked up per call: timers wrap it
 
