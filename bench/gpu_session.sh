@@ -5,7 +5,7 @@
 #     OUT=/where/results/go bash bench/gpu_session.sh STAGE... [--limit SECONDS]
 #
 # Stages: tests (the Triton kernel tests and QLinear's CUDA test, compiled for the GPU: TRITON_INTERPRET=0),
-# kernels (bench/kernels.py --quick), engine (bench/engine_gpu.py on the SmolLM2-135M shape: attention check, bf16,
+# kernels (bench/gpu_kernels.py --quick), engine (bench/engine_gpu.py on the SmolLM2-135M shape: attention check, bf16,
 # W4, W8; ENGINE_ARGS=--profile adds a cProfile of each), engine8b (the Llama-3-8B shape: bf16, W4, W8),
 # py:FILE (python3 .gpu/FILE: a one-off diagnosis carried with the inputs).
 # Each stage runs under its own time limit and writes OUT/<stage>.log (and .json); a stage that fails or runs out
@@ -42,7 +42,7 @@ for arg in "$@"; do
                    tests/kernels/test_kernels_qgemm.py tests/kernels/test_kernels_attention.py tests/kernels/test_kernels_fused.py \
                    tests/kernels/test_kernels_compile.py \
                    tests/quantkit/test_qlinear.py::test_cuda_forward_matches_reference_and_keeps_the_qtensor ;;
-        kernels) stage kernels "${KERNELS_LIMIT:-200}" python3 bench/kernels.py --quick --out "$OUT/kernels.json" ;;
+        kernels) stage kernels "${KERNELS_LIMIT:-200}" python3 bench/gpu_kernels.py --quick --out "$OUT/kernels.json" ;;
         engine) stage engine "${ENGINE_LIMIT:-200}" python3 bench/engine_gpu.py --inputs "$INPUTS" \
                     --shapes smollm2-135m --out "$OUT/engine.json" ${ENGINE_ARGS:-} ;;
         engine8b) stage engine8b "${ENGINE_LIMIT:-200}" python3 bench/engine_gpu.py --inputs "$INPUTS" \

@@ -154,3 +154,16 @@ def test_the_c_counter_counts_c(tmp_path):
     probe.write_text('X = r"""\n#include <stdint.h>\nstatic int f(int a) {\n  return a + 1;\n}\n"""\n'
                      'Y = "plain prose, no code."\n')
     assert c_lines_in_strings(probe) == 4
+
+
+def test_no_bench_script_shadows_an_installed_module():
+    """`python bench/x.py` puts bench/ first on sys.path, so a script named like an installed top-level module
+    (bench/kernels.py beside Hugging Face's `kernels`, which transformers imports) replaces it for every import."""
+    import importlib.util
+    import sys
+
+    elsewhere = [p for p in sys.path if Path(p or ".").resolve() not in (REPO, REPO / "bench")]
+    shadowing = [p.name for p in sorted((REPO / "bench").glob("*.py"))
+                 if importlib.machinery.PathFinder.find_spec(p.stem, elsewhere) is not None
+                 or p.stem in sys.builtin_module_names]
+    assert not shadowing, shadowing

@@ -1,7 +1,7 @@
 """GPU benchmark of quantkit.kernels: dequant-GEMM (W4/W8) vs torch fp16, paged-attention decode, M crossovers.
 
-    python bench/kernels.py [--out bench_kernels.json] [--dtype fp16|bf16] [--bandwidth-gbs 4800] [--quick]
-    python bench/kernels.py --dry-run     # every step on tiny shapes in the Triton CPU interpreter (checks the
+    python bench/gpu_kernels.py [--out bench_kernels.json] [--dtype fp16|bf16] [--bandwidth-gbs 4800] [--quick]
+    python bench/gpu_kernels.py --dry-run     # every step on tiny shapes in the Triton CPU interpreter (checks the
                                           # script itself; its timings mean nothing)
 
 Steps: (1) correctness of every path (GEMV, GEMM, dequantize+cuBLAS, attention) on the real shapes against torch
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            print("bench/kernels.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
+            print("bench/gpu_kernels.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
                   "use --dry-run to check the script on CPU", file=sys.stderr)
             return 2
         if os.environ.get("TRITON_INTERPRET") == "1":
