@@ -68,7 +68,7 @@ def server_command(name: str, args, port: int) -> tuple[list[str], dict, str]:
                 "--port", str(port), "--dtype", "float32"], env, "/health"
     if name in ("vllm", "vllm-fp32", "vllm-w4"):
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1")
-        model = args.w4 if name == "vllm-w4" else bundled_model_dir()
+        model = args.w4.resolve() if name == "vllm-w4" else bundled_model_dir()
         dtype = "float32" if name == "vllm-fp32" else "bfloat16"
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "2048",
@@ -113,7 +113,10 @@ def measure(name: str, args, prompts, tokenizer) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd, env, ready = server_command(name, args, port)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # peers start outside the checkout: `python -m` puts the working directory first on sys.path, and this
+    # checkout's kernels/ would stand in for the `kernels` module vLLM and transformers look for
+    outside = None if name.startswith("quantkit") or name == "naive" else tempfile.gettempdir()
+    proc = subprocess.Popen(cmd, env=env, cwd=outside, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(proc, base + ready, args.deadline)
         model = (json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"] if name.startswith("quantkit")
