@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     args = ap.parse_args()
     if not rowwise_gemm.quantized_available():
-        raise SystemExit("this CPU has no AVX512-BF16 (or no compiler): nothing to compare")
+        raise SystemExit("this CPU has neither AVX512-BF16 nor AVX2 (or no compiler): nothing to compare")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.decode:

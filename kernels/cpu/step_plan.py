@@ -37,7 +37,7 @@ def _library():
 
 def available() -> bool:
     """Whether plans run here: this library, the per-token and attention kernels and the rowwise GEMM build (the
-    GEMV, AVX512-BF16 only, is checked per linear: qgemv_available)."""
+    GEMV, AVX2 + FMA + F16C or AVX512-BF16, is checked per linear: qgemv_available)."""
     return _library() is not None and load_library("fused", fused.SIGNATURES) is not None \
         and paged_decode._library() is not None and rowwise_gemm.available()
 

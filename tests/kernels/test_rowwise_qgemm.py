@@ -17,7 +17,7 @@ from quantkit.quant.scheme import QTensor, dequantize
 from tests.kernels.test_cpu_gemv import SCHEME_IDS, SCHEMES, SHAPES, gate_up, packed_case
 
 pytestmark = pytest.mark.skipif(not rowwise_gemm.quantized_available(),
-                                reason="the CPU has no AVX512-BF16 (or no compiler): no W4/W8 rowwise GEMM")
+                                reason="neither AVX512-BF16 nor AVX2 here (or no compiler): no W4/W8 rowwise GEMM")
 ROW_COUNTS = (1, 5, 17, 64, 65, 300)  # register-block tails (M % 4), the decode range, prefill sizes
 
 
