@@ -10,3 +10,5 @@ static inline float bf16_to_f32(uint16_t x) { uint32_t u = (uint32_t)x << 16; fl
 static inline uint16_t f32_to_bf16(float f) {
   uint32_t u; memcpy(&u, &f, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);
 }
+/* v rounded to bf16 and back (nearest even) */
+static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }

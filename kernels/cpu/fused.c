@@ -12,7 +12,6 @@
 #define RND_F32(v) (v)
 #define LD_BF16(p, i) bf16_to_f32((p)[i])
 #define ST_BF16(p, i, v) ((p)[i] = f32_to_bf16(v))
-#define RND_BF16(v) bf16_to_f32(f32_to_bf16(v))
 #define LD_F16(p, i) ((float)(p)[i])
 #define ST_F16(p, i, v) ((p)[i] = (_Float16)(v))
 #define RND_F16(v) ((float)(_Float16)(v))
@@ -76,7 +75,7 @@ static void silu_mul_##SUF(const T* g, int64_t gs, const T* u, int64_t us, T* ou
 }
 
 ADD_RMS_NORM(f32, float, LD_F32, ST_F32, RND_F32)
-ADD_RMS_NORM(bf16, uint16_t, LD_BF16, ST_BF16, RND_BF16)
+ADD_RMS_NORM(bf16, uint16_t, LD_BF16, ST_BF16, round_bf16)
 ADD_RMS_NORM(f16, _Float16, LD_F16, ST_F16, RND_F16)
 ROPE(f32, float, LD_F32, ST_F32)
 ROPE(bf16, uint16_t, LD_BF16, ST_BF16)

@@ -32,7 +32,7 @@ static void store_tiles(const float* c0, const float* c1, int nb, int rows, uint
       const float* u = c1 + i * 16;
       float v[16] __attribute__((aligned(64)));
       #pragma omp simd
-      for (int j = 0; j < 16; j++) v[j] = silu_times(bf16_to_f32(f32_to_bf16(g[j])), bf16_to_f32(f32_to_bf16(u[j])));
+      for (int j = 0; j < 16; j++) v[j] = silu_times_bf16(g[j], u[j]);
       _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(v)));
     } else if (nb == 2) {
       const __m512 lo = _mm512_load_ps(c0 + i * 16), hi = _mm512_load_ps(c1 + i * 16);

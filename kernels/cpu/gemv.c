@@ -85,7 +85,7 @@ INLINE void store_rows(const int M, const int NB, __m512 y[MAX_M][2], uint16_t* 
       _mm512_store_ps(g, y[m][0]);
       _mm512_store_ps(u, y[m][1]);
       #pragma omp simd
-      for (int i = 0; i < 16; i++) v[i] = silu_times(bf16_to_f32(f32_to_bf16(g[i])), bf16_to_f32(f32_to_bf16(u[i])));
+      for (int i = 0; i < 16; i++) v[i] = silu_times_bf16(g[i], u[i]);
       _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(v)));
     } else if (NB == 2) {
       _mm512_storeu_si512((__m512i*)o, (__m512i)_mm512_cvtne2ps_pbh(y[m][1], y[m][0]));
@@ -188,7 +188,7 @@ INLINE void pair_rows(const int M, const int bits, const float* xf, const float*
     uint16_t* o = y + m * yn + (act ? 16 * p : 32 * p);
     if (act) {
       for (int c = 0; c < 16; c++)
-        o[c] = f32_to_bf16(silu_times(bf16_to_f32(f32_to_bf16(v[0][m][c])), bf16_to_f32(f32_to_bf16(v[1][m][c]))));
+        o[c] = f32_to_bf16(silu_times_bf16(v[0][m][c], v[1][m][c]));
       continue;
     }
     for (int j = 0; j < nb; j++)

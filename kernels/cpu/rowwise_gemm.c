@@ -16,9 +16,6 @@
 #define NR 4       /* 16-column blocks per register block (a panel): MR x NR accumulators */
 #define M_CHUNK 64 /* rows per work item: a thread runs consecutive chunks of one panel, its weights in L2 */
 
-/* v rounded to bf16 and back (nearest even) */
-static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -54,7 +51,7 @@ static inline __attribute__((always_inline)) void block(
         _mm512_store_ps(g, acc[i][j]);
         _mm512_store_ps(u, acc[i][j + 1]);
         #pragma omp simd
-        for (int c = 0; c < 16; c++) v[c] = silu_times(round_bf16(g[c]), round_bf16(u[c]));
+        for (int c = 0; c < 16; c++) v[c] = silu_times_bf16(g[c], u[c]);
         _mm256_storeu_si256((__m256i*)(out + 8 * (j0 + j)), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(v)));
       }
       continue;
@@ -131,7 +128,7 @@ static inline __attribute__((always_inline)) void block_avx2(
         _mm256_store_ps(u, up[i][0]);
         _mm256_store_ps(u + 8, up[i][1]);
         for (int c = 0; c < 16; c++)
-          out[8 * (j0 + j) + c] = f32_to_bf16(silu_times(round_bf16(g[c]), round_bf16(u[c])));
+          out[8 * (j0 + j) + c] = f32_to_bf16(silu_times_bf16(g[c], u[c]));
         continue;
       }
       for (int h = 0; h < 2; h++) {
@@ -177,7 +174,7 @@ static void run_block(int mr, int nr, const uint32_t* x32, int K2, int m0, const
     for (int j = 0; j < nr; j += act ? 2 : 1)
       for (int c = 0; c < 16; c++) {
         if (act) {
-          out[8 * (j0 + j) + c] = f32_to_bf16(silu_times(round_bf16(acc[j][c]), round_bf16(acc[j + 1][c])));
+          out[8 * (j0 + j) + c] = f32_to_bf16(silu_times_bf16(acc[j][c], acc[j + 1][c]));
         } else {
           const int col = 16 * (j0 + j) + c;
           out[col] = f32_to_bf16(bias ? acc[j][c] + bf16_to_f32(bias[col]) : acc[j][c]);

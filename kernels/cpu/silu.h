@@ -1,9 +1,11 @@
-/* silu(a) * u in fp32, shared by fused.c's silu_mul and gemm.c's gate/up epilogue so both round alike. With
-   -std=c11 gcc does not contract a * b + c into an FMA, so the vectorised and scalar forms give the same bits. */
+/* silu(a) * u in fp32, shared by fused.c's silu_mul and the gate/up epilogues of gemm.c, gemv.c and rowwise_gemm.c
+   so all round alike. With -std=c11 gcc does not contract a * b + c into an FMA, so the vectorised and scalar forms
+   give the same bits. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
 #include "exp.h"
 
 /* 1/x for x in [1, 2^126): a bit-trick guess refined by three Newton steps (~1e-7); vector division is ~7x
@@ -16,3 +18,7 @@ static inline float recip(float x) {
 }
 
 static inline float silu_times(float a, float u) { return a * u * recip(1.f + exp_approx(-a)); }
+
+/* the gate/up epilogue of the GEMMs and the GEMV: both fp32 products rounded to bf16 first (as the unfused
+   projections' bf16 outputs are), then silu(gate) * up */
+static inline float silu_times_bf16(float g, float u) { return silu_times(round_bf16(g), round_bf16(u)); }
