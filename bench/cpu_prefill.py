@@ -1,12 +1,13 @@
-"""Prefill attention on CPU: the AMX kernel (kernels/cpu/paged_prefill.py) against the SDPA path it replaces, through
+"""Prefill attention on CPU: the AMX kernel (kernels/cpu/paged_prefill.py, where the CPU has AMX) and the row kernel of
+batch-invariant serving (kernels/cpu/paged_decode.py's paged_rows) against the SDPA path, through
 TorchPagedAttention, on one layer of a 2048-token prefill step of real prompt lengths.
 
     python bench/cpu_prefill.py [--tokens 2048] [--repeats 20] [--past 0]
 
 The step's chunks are the lengths of the first ShareGPT prompts (chat-templated, bundled tokenizer) that fill
 --tokens, each after --past cached tokens; SmolLM2-135M's heads (9 query, 3 kv, head_dim 64), block 16, bf16.
-Both paths run alternately on the same inputs; prints the median milliseconds of each and their ratio, and the
-GFLOP/s of the kernel (4 * causal query-key pairs * head_dim * query heads).
+The paths run alternately on the same inputs; prints the median milliseconds of each, its ratio to SDPA and its
+GFLOP/s (4 * causal query-key pairs * head_dim * query heads).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from engine_throughput import chat_prompts
 from quantkit.models.loader import load_tokenizer
 from quantkit.kernels.cpu import paged_prefill as cpu_prefill
+from quantkit.kernels.cpu.paged_decode import load_rows_kernel
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
@@ -43,9 +45,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--past", type=int, default=0, help="cached tokens before each chunk")
     args = ap.parse_args()
-    kernel = cpu_prefill.load_prefill_kernel()
-    if kernel is None:
-        raise SystemExit("no AMX on this CPU: the kernel does not run here")
     q_lens = step_lengths(args.tokens)
     seq_lens = [n + args.past for n in q_lens]
     tables = torch.zeros(len(q_lens), -(-max(seq_lens) // BLOCK), dtype=torch.int32)
@@ -66,8 +65,12 @@ def main() -> None:
     meta = AttentionMetadata(slot_mapping=torch.cat(slots), block_tables=tables,
                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl, num_decodes=0,
                              seq_lens_host=seq_lens, query_lens_host=q_lens)
-    backends = {"amx kernel": TorchPagedAttention(caches, D ** -0.5, prefill_kernel=kernel),
-                "sdpa": TorchPagedAttention(caches, D ** -0.5)}
+    backends = {"sdpa": TorchPagedAttention(caches, D ** -0.5)}
+    rows, amx = load_rows_kernel(), cpu_prefill.load_prefill_kernel()
+    if rows is not None:
+        backends["row kernel (batch-invariant)"] = TorchPagedAttention(caches, D ** -0.5, rows_kernel=rows)
+    if amx is not None:  # AMX CPUs only
+        backends["amx kernel"] = TorchPagedAttention(caches, D ** -0.5, prefill_kernel=amx)
     times = {name: [] for name in backends}
     for _ in range(args.repeats):
         for name, attn in backends.items():
@@ -80,9 +83,8 @@ def main() -> None:
     print(f"{len(q_lens)} chunks, {t} tokens (lengths {min(q_lens)}-{max(q_lens)}), past {args.past}, "
           f"{torch.get_num_threads()} threads")
     for name, value in ms.items():
-        print(f"{name}: {value:.2f} ms")
-    print(f"sdpa / kernel: {ms['sdpa'] / ms['amx kernel']:.2f}x; kernel "
-          f"{4 * pairs * D * HQ / (ms['amx kernel'] * 1e-3) / 1e9:.0f} GFLOP/s")
+        print(f"{name}: {value:.2f} ms, sdpa / it {ms['sdpa'] / value:.2f}x, "
+              f"{4 * pairs * D * HQ / (value * 1e-3) / 1e9:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-/* AVX2 helpers of the bf16 kernels' AVX2 builds (rowwise_gemm.c, dequant.h): bf16 <-> fp32 on 8 lanes */
+/* AVX2 helpers of the kernels' AVX2 builds (rowwise_gemm.c, dequant.h, paged_decode.c): bf16 <-> fp32 on 8 lanes,
+   horizontal sums and maxima */
 #pragma once
 #include <immintrin.h>
 
@@ -19,4 +20,23 @@ static inline __m256i bf16_bits8(__m256 v) {
 static inline __m128i bf16x8(__m256 v) {
   const __m256i r = bf16_bits8(v);
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* lane j of the result = the sum of s[j]'s 8 lanes (s [8]): a hadd tree, one fixed order */
+static inline __m256 sum8(const __m256* s) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* the sum / the maximum of x's 8 lanes */
+static inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float hmax8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }

@@ -1,6 +1,6 @@
 /* e^x in fp32, relative error ~2e-7: e^x = 2^t (t = x log2 e) = 2^floor(t) * 2^f with f in [0, 1), 2^f a degree-6
    polynomial in Horner form. Its coefficients are written once (EXP2_POLY); exp_approx evaluates it in scalar
-   arithmetic, exp16 on 16 AVX-512 lanes with FMAs. */
+   arithmetic, exp16 on 16 AVX-512 lanes with FMAs, exp8 on 8 AVX2 lanes with FMAs. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -42,5 +42,23 @@ static inline __m512 exp16(__m512 x) {
   EXP2_POLY(EXP16_STEP)
 #undef EXP16_STEP
   return _mm512_scalef_ps(p, fi);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* 8 lanes, x <= 0 (clamped at -87: 2^floor(t) stays a normal float) */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E));
+  const __m256 fi = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, fi);
+  __m256 p = _mm256_set1_ps(EXP2_TOP);
+#define EXP8_STEP(c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  EXP2_POLY(EXP8_STEP)
+#undef EXP8_STEP
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #endif

@@ -1,6 +1,7 @@
 /* Paged decode attention of kernels/cpu/paged_decode.py: one query token per sequence (paged_decode), or per
    query row with its own sequence and length (paged_rows), against the paged K/V cache, online softmax in fp32 over
-   tiles of 16 tokens from the first token the row sees (0 without a sliding window). */
+   tiles of 16 tokens from the first token the row sees (0 without a sliding window). Builds: AVX-512 BF16 (bf16
+   dot products), AVX-512 (fp32), AVX2 + FMA + F16C (several rows per item), else plain C. */
 #include <math.h>
 
 #include "common.h"
@@ -219,22 +220,163 @@ static inline __attribute__((always_inline)) void item_bf16(
 #endif
 #endif
 
-/* items (query row r, kv head h) for rows [0, R): row r attends tokens [lo, lens[r]) of the sequence whose block
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include "avx2.h"
+
+/* AVX2: an item is up to ROWS consecutive query rows of one sequence (a prefill chunk's, without a window: they all
+   tile from 0), so each K/V tile is converted to fp32 once for all of them; each row's arithmetic is the one-row
+   item's, in the same order, whatever rows share the item. */
+#define ROWS 8
+#define ROW_FLOATS 8192 /* fp32 of an item's queries, and of its accumulators: rows * G * D at most */
+#define ROWWISE_ITEMS 1
+
+/* NV * 8 fp32 from the cache row at off */
+static inline __attribute__((always_inline)) void load_row8(const void* base, int64_t off, int dtype, float* dst,
+                                                            const int NV) {
+  for (int v = 0; v < NV; v++) {
+    const __m128i* src = (const __m128i*)((const uint16_t*)base + off + 8 * v);
+    const __m256 x = dtype == F32 ? _mm256_loadu_ps((const float*)base + off + 8 * v)
+                     : dtype == BF16 ? even8(_mm256_cvtepu16_epi32(_mm_loadu_si128(src)))
+                                     : _mm256_cvtph_ps(_mm_loadu_si128(src));
+    _mm256_store_ps(dst + 8 * v, x);
+  }
+}
+
+/* One tile of one query row and head: qf [D] (scaled), n live tokens of the fp32 tile kt / vt; updates the running
+   max m, normaliser l and accumulator acc [D]. Score j = the 8-lane partial products of q . k_j summed by sum8. */
+static inline __attribute__((always_inline)) void tile_avx2(
+    const float* qf, float* acc, float* m, float* l, float kt[][MAXD], float vt[][MAXD], int n, float cap,
+    const int NV) {
+  float sc[TILE] __attribute__((aligned(32)));
+  __m256 x[2];
+  for (int half = 0; half < 2; half++) {
+    __m256 part[8];
+    for (int i = 0; i < 8; i++) {
+      const int j = 8 * half + i;
+      if (j >= n) { part[i] = _mm256_setzero_ps(); continue; }
+      __m256 a = _mm256_mul_ps(_mm256_load_ps(qf), _mm256_load_ps(kt[j]));
+      for (int v = 1; v < NV; v++) a = _mm256_fmadd_ps(_mm256_load_ps(qf + 8 * v), _mm256_load_ps(kt[j] + 8 * v), a);
+      part[i] = a;
+    }
+    x[half] = sum8(part);
+  }
+  if (cap > 0.f) {
+    _mm256_store_ps(sc, x[0]); _mm256_store_ps(sc + 8, x[1]);
+    soft_cap(sc, n, cap);
+    x[0] = _mm256_load_ps(sc); x[1] = _mm256_load_ps(sc + 8);
+  }
+  const __m256i live0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i live1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  x[0] = _mm256_blendv_ps(ninf, x[0], _mm256_castsi256_ps(live0));
+  x[1] = _mm256_blendv_ps(ninf, x[1], _mm256_castsi256_ps(live1));
+  const float tile_max = hmax8(_mm256_max_ps(x[0], x[1]));
+  const float mx = tile_max > *m ? tile_max : *m;
+  const float corr = expf(*m - mx);  /* 0 on the first tile (m = -inf) */
+  const __m256 vmx = _mm256_set1_ps(mx);
+  const __m256 p0 = _mm256_and_ps(exp8(_mm256_sub_ps(x[0], vmx)), _mm256_castsi256_ps(live0));
+  const __m256 p1 = _mm256_and_ps(exp8(_mm256_sub_ps(x[1], vmx)), _mm256_castsi256_ps(live1));
+  *l = *l * corr + hsum8(_mm256_add_ps(p0, p1));
+  *m = mx;
+  _mm256_store_ps(sc, p0); _mm256_store_ps(sc + 8, p1);
+  __m256 av[MAXD / 8];
+  const __m256 c = _mm256_set1_ps(corr);
+  for (int v = 0; v < NV; v++) av[v] = _mm256_mul_ps(_mm256_load_ps(acc + 8 * v), c);
+  for (int j = 0; j < n; j++) {
+    const __m256 w = _mm256_set1_ps(sc[j]);
+    for (int v = 0; v < NV; v++) av[v] = _mm256_fmadd_ps(w, _mm256_load_ps(vt[j] + 8 * v), av[v]);
+  }
+  for (int v = 0; v < NV; v++) _mm256_store_ps(acc + 8 * v, av[v]);
+}
+
+/* rows [r0, r0 + nr) of one sequence (block table `table`), lengths lens[r], tiles from lo (nr > 1: lo = 0), kv
+   head h; NV = D / 8 (a compile-time constant at the D = 64 and 128 calls) */
+static inline __attribute__((always_inline)) void item_avx2(
+    const void* q, const void* kc, const void* vc, const int32_t* table, const int32_t* lens, int r0, int nr,
+    int lo, void* out, int h, int G, int Hq, int Hkv, int BS, float scale, float cap, int dtype, const int NV) {
+  const int D = NV * 8;
+  float qf[ROW_FLOATS] __attribute__((aligned(32))), acc[ROW_FLOATS] __attribute__((aligned(32)));
+  float kt[TILE][MAXD] __attribute__((aligned(32))), vt[TILE][MAXD] __attribute__((aligned(32)));
+  float m[ROWS * MAXG], l[ROWS * MAXG];
+  int end = 0;
+  for (int r = 0; r < nr; r++) {
+    end = lens[r0 + r] > end ? lens[r0 + r] : end;
+    for (int g = 0; g < G; g++) {
+      float* qg = qf + (r * G + g) * D;
+      load_row(q, ((int64_t)(r0 + r) * Hq + h * G + g) * D, D, dtype, qg);
+      for (int d = 0; d < D; d++) { qg[d] *= scale; acc[(r * G + g) * D + d] = 0.f; }
+      m[r * G + g] = -INFINITY; l[r * G + g] = 0.f;
+    }
+  }
+  for (int t0 = lo; t0 < end; t0 += TILE) {
+    const int n = end - t0 < TILE ? end - t0 : TILE;
+    for (int j = 0; j < n; j++) {
+      const int t = t0 + j;
+      const int64_t row = (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;
+      load_row8(kc, row, dtype, kt[j], NV);
+      load_row8(vc, row, dtype, vt[j], NV);
+    }
+    for (int r = 0; r < nr; r++) {
+      const int live = lens[r0 + r] - t0;
+      if (live <= 0) continue;
+      for (int g = 0; g < G; g++) {
+        const int i = r * G + g;
+        tile_avx2(qf + i * D, acc + i * D, &m[i], &l[i], kt, vt, live < TILE ? live : TILE, cap, NV);
+      }
+    }
+  }
+  for (int i = 0; i < nr * G; i++) {
+    const float inv = 1.f / l[i];
+    for (int d = 0; d < D; d++) acc[i * D + d] *= inv;
+    store_row(out, ((int64_t)(r0 + i / G) * Hq + h * G + i % G) * D, D, dtype, acc + i * D);
+  }
+}
+#endif
+
+/* The rows one item may take: ROWS (at most ROW_FLOATS of queries) on the AVX2 build for rows of a shared sequence
+   without a window, else 1 */
+static int rows_per_item(int G, int D, int window, const int32_t* seqs) {
+#if defined(ROWWISE_ITEMS)
+  if (seqs != NULL && window <= 0 && D % 8 == 0) {
+    const int fit = ROW_FLOATS / (G * D);
+    return fit < ROWS ? fit : ROWS;
+  }
+#endif
+  (void)G; (void)D; (void)window; (void)seqs;
+  return 1;
+}
+
+/* items (rows [first[b], first[b + 1]), kv head h): row r attends tokens [lo, lens[r]) of the sequence whose block
    table is row seqs[r] of block_tables (seqs NULL: row r's own), lo = lens[r] - window when window > 0 and that
-   is positive, else 0; cap > 0 soft-caps the scores. Each item's arithmetic depends only on its query, its length
-   and the cache, never on R, on the other rows or on the thread. */
+   is positive, else 0; cap > 0 soft-caps the scores. The rows of an item are consecutive rows of one sequence
+   (rows_per_item of them at most). Each row's arithmetic depends only on its query, its length and the cache,
+   never on R, on the other rows, on the item or on the thread. */
 static void run_items(const void* q, const void* kc, const void* vc, const int32_t* block_tables,
                       const int32_t* seqs, const int32_t* lens, void* out, int R, int Hq, int Hkv, int D, int BS,
                       int MB, float scale, int window, float cap, int dtype, int threads) {
-  const int G = Hq / Hkv;
-  /* a thread takes all kv heads of a row in a row: the heads' rows interleave in each block, so the second
+  const int G = Hq / Hkv, per = rows_per_item(G, D, window, seqs);
+  int first[R + 1], B = 0;  /* the items' first rows (B items), then R */
+  for (int r = 0; r < R; r++)
+    if (r == 0 || r - first[B - 1] == per || seqs == NULL || seqs[r] != seqs[first[B - 1]]) first[B++] = r;
+  first[B] = R;
+  /* a thread takes all kv heads of an item in a row: the heads' rows interleave in each block, so the second
      and third heads read lines the first pulled into L2 (1.6x faster than heads spread over threads) */
-  const int chunk = R >= 2 * threads ? Hkv : 1;
+  const int chunk = B >= 2 * threads ? Hkv : 1;
   #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
-  for (int item = 0; item < R * Hkv; item++) {
-    const int s = item / Hkv, h = item % Hkv;
+  for (int item = 0; item < B * Hkv; item++) {
+    const int b = item / Hkv, h = item % Hkv, s = first[b];
     const int32_t* table = block_tables + (int64_t)(seqs ? seqs[s] : s) * MB;
     const int len = lens[s], lo = window > 0 && len > window ? len - window : 0;
+#if defined(ROWWISE_ITEMS)
+    const int nr = first[b + 1] - s;
+#define AVX2_ITEM(NV) item_avx2(q, kc, vc, table, lens, s, nr, lo, out, h, G, Hq, Hkv, BS, scale, cap, dtype, NV)
+    if (D == 64) { AVX2_ITEM(8); continue; }
+    if (D == 128) { AVX2_ITEM(16); continue; }
+    if (D % 8 == 0) { AVX2_ITEM(D / 8); continue; }
+#undef AVX2_ITEM
+#endif
 #if defined(__AVX512BF16__)
     if (dtype == BF16 && D == 64) { item_bf16(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, BS, scale, cap, 4); continue; }
     if (dtype == BF16 && D == 128) { item_bf16(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, BS, scale, cap, 8); continue; }

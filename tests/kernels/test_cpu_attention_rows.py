@@ -26,20 +26,26 @@ def kernel():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
-@pytest.mark.parametrize("head_dim", [64, 128, 32])  # bf16 dot-product path, AVX-512 path, generic path
+@pytest.mark.parametrize("head_dim", [64, 128, 32, 36])  # AVX-512: bf16 dot-product, fp32, generic, generic; AVX2: 36 generic
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 20.0), (40, 10.0)])
 def test_rows_kernel_matches_reference(kernel, dtype, tol, head_dim, window, softcap):
     gen = torch.Generator().manual_seed(head_dim + (window or 0))
     k_cache = torch.randn(20, BS, HKV, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(20, BS, HKV, head_dim, generator=gen).to(dtype)
     tables = torch.randperm(20, generator=gen)[:18].view(2, 9).to(torch.int32).contiguous()
-    row_seqs = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1, 0, 1], dtype=torch.int32)
-    row_lens = torch.tensor([1, 15, 16, 17, 33, 70, 5, 129, 144, 2], dtype=torch.int32)  # tile edges, whole table
+    # tile edges, the whole table, then a chunk's 20 consecutive rows (AVX2: items of up to 8 rows)
+    row_seqs = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1, 0, 1] + [1] * 20, dtype=torch.int32)
+    row_lens = torch.tensor([1, 15, 16, 17, 33, 70, 5, 129, 144, 2, *range(45, 65)], dtype=torch.int32)
     q = (torch.randn(len(row_lens), HQ, head_dim, generator=gen) * 2).to(dtype)
     out = torch.empty_like(q)
     paged_rows(kernel, q, k_cache, v_cache, tables, row_seqs, row_lens, 0.125, out, window, softcap)
     ref = paged_rows_ref(q, k_cache, v_cache, tables, row_seqs, row_lens, 0.125, window, softcap)
     assert (out.float() - ref).abs().max().item() < tol
+    for r in range(len(row_lens)):  # a row's bits do not depend on the rows beside it
+        alone = torch.empty_like(q[r:r + 1])
+        paged_rows(kernel, q[r:r + 1].contiguous(), k_cache, v_cache, tables, row_seqs[r:r + 1], row_lens[r:r + 1],
+                   0.125, alone, window, softcap)
+        assert torch.equal(alone, out[r:r + 1]), r
     if window is None and softcap is None:  # the decode kernel is the same item
         decoded = torch.empty_like(q)
         paged_decode(load_decode_kernel(), q, k_cache, v_cache, tables[row_seqs.long()].contiguous(), row_lens, 0.125,
