@@ -10,7 +10,8 @@ once with prompts chunked by a --chunk-budget token budget, (c) all at once agai
 the prompts whose tokens equal (a)'s, with EngineConfig.batch_invariant on and off.
 
 Prefill: the same prompts one at a time, one output token each, no prefix cache (the row attention kernel reads
-each row's context once per row, so long prompts pay most): seconds in all and for the four longest, on and off.
+each row's context once per row, or per 8 rows on AVX2, so long prompts pay most): seconds in all and for the four
+longest, on and off.
 
 Throughput: --concurrency chat prompts (the same sources: the first rows of each) of exactly --output-tokens tokens each
 (ignore_eos), queued at once on a default engine (2048-token step budget, prefix caching on); output tokens / wall
