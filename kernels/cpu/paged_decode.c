@@ -1,7 +1,7 @@
 /* Paged decode attention of kernels/cpu/paged_decode.py: one query token per sequence (paged_decode), or per
    query row with its own sequence and length (paged_rows), against the paged K/V cache, online softmax in fp32 over
-   tiles of 16 tokens from the first token the row sees (0 without a sliding window). Builds: AVX-512 BF16 (bf16
-   dot products), AVX-512 (fp32), AVX2 + FMA + F16C (several rows per item), else plain C. */
+   tiles of 16 tokens: from the first token the row sees (0 without a sliding window), or on AVX2 at multiples of 16.
+   Builds: AVX-512 BF16 (bf16 dot products), AVX-512 (fp32), AVX2 + FMA + F16C (several rows per item), plain C. */
 #include <math.h>
 
 #include "common.h"
@@ -225,8 +225,9 @@ static inline __attribute__((always_inline)) void item_bf16(
 
 #include "avx2.h"
 
-/* AVX2: an item is up to ROWS consecutive query rows of one sequence (a prefill chunk's, without a window: they all
-   tile from 0), so each K/V tile is converted to fp32 once for all of them; each row's arithmetic is the one-row
+/* AVX2: an item is up to ROWS consecutive query rows of one sequence (a prefill chunk's), so each K/V tile is
+   converted to fp32 once for all of them. Tiles sit at multiples of 16 positions (a windowed row's first tile is
+   partial), so the rows of a chunk share them with or without a window; each row's arithmetic is the one-row
    item's, in the same order, whatever rows share the item. */
 #define ROWS 8
 #define ROW_FLOATS 8192 /* fp32 of an item's queries, and of its accumulators: rows * G * D at most */
@@ -244,10 +245,11 @@ static inline __attribute__((always_inline)) void load_row8(const void* base, in
   }
 }
 
-/* One tile of one query row and head: qf [D] (scaled), n live tokens of the fp32 tile kt / vt; updates the running
-   max m, normaliser l and accumulator acc [D]. Score j = the 8-lane partial products of q . k_j summed by sum8. */
+/* One tile of one query row and head: qf [D] (scaled), live tokens [a, n) of the fp32 tile kt / vt; updates the
+   running max m, normaliser l and accumulator acc [D]. Score j = the 8-lane partial products of q . k_j summed by
+   sum8. */
 static inline __attribute__((always_inline)) void tile_avx2(
-    const float* qf, float* acc, float* m, float* l, float kt[][MAXD], float vt[][MAXD], int n, float cap,
+    const float* qf, float* acc, float* m, float* l, float kt[][MAXD], float vt[][MAXD], int a, int n, float cap,
     const int NV) {
   float sc[TILE] __attribute__((aligned(32)));
   __m256 x[2];
@@ -255,7 +257,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
     __m256 part[8];
     for (int i = 0; i < 8; i++) {
       const int j = 8 * half + i;
-      if (j >= n) { part[i] = _mm256_setzero_ps(); continue; }
+      if (j < a || j >= n) { part[i] = _mm256_setzero_ps(); continue; }
       __m256 a = _mm256_mul_ps(_mm256_load_ps(qf), _mm256_load_ps(kt[j]));
       for (int v = 1; v < NV; v++) a = _mm256_fmadd_ps(_mm256_load_ps(qf + 8 * v), _mm256_load_ps(kt[j] + 8 * v), a);
       part[i] = a;
@@ -264,11 +266,16 @@ static inline __attribute__((always_inline)) void tile_avx2(
   }
   if (cap > 0.f) {
     _mm256_store_ps(sc, x[0]); _mm256_store_ps(sc + 8, x[1]);
-    soft_cap(sc, n, cap);
+    soft_cap(sc + a, n - a, cap);
     x[0] = _mm256_load_ps(sc); x[1] = _mm256_load_ps(sc + 8);
   }
-  const __m256i live0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i live1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  /* lane j live: a <= j < n */
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), below = _mm256_set1_epi32(a - 1);
+  const __m256i live0 = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane),
+                                         _mm256_cmpgt_epi32(lane, below));
+  const __m256i lane8 = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
+  const __m256i live1 = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane8),
+                                         _mm256_cmpgt_epi32(lane8, below));
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   x[0] = _mm256_blendv_ps(ninf, x[0], _mm256_castsi256_ps(live0));
   x[1] = _mm256_blendv_ps(ninf, x[1], _mm256_castsi256_ps(live1));
@@ -284,25 +291,28 @@ static inline __attribute__((always_inline)) void tile_avx2(
   __m256 av[MAXD / 8];
   const __m256 c = _mm256_set1_ps(corr);
   for (int v = 0; v < NV; v++) av[v] = _mm256_mul_ps(_mm256_load_ps(acc + 8 * v), c);
-  for (int j = 0; j < n; j++) {
+  for (int j = a; j < n; j++) {
     const __m256 w = _mm256_set1_ps(sc[j]);
     for (int v = 0; v < NV; v++) av[v] = _mm256_fmadd_ps(w, _mm256_load_ps(vt[j] + 8 * v), av[v]);
   }
   for (int v = 0; v < NV; v++) _mm256_store_ps(acc + 8 * v, av[v]);
 }
 
-/* rows [r0, r0 + nr) of one sequence (block table `table`), lengths lens[r], tiles from lo (nr > 1: lo = 0), kv
-   head h; NV = D / 8 (a compile-time constant at the D = 64 and 128 calls) */
+/* rows [r0, r0 + nr) of one sequence (block table `table`), row r over positions [lens[r] - window (window > 0,
+   floored at 0), lens[r]), kv head h; NV = D / 8 (a compile-time constant at the D = 64 and 128 calls) */
 static inline __attribute__((always_inline)) void item_avx2(
     const void* q, const void* kc, const void* vc, const int32_t* table, const int32_t* lens, int r0, int nr,
-    int lo, void* out, int h, int G, int Hq, int Hkv, int BS, float scale, float cap, int dtype, const int NV) {
+    int window, void* out, int h, int G, int Hq, int Hkv, int BS, float scale, float cap, int dtype, const int NV) {
   const int D = NV * 8;
   float qf[ROW_FLOATS] __attribute__((aligned(32))), acc[ROW_FLOATS] __attribute__((aligned(32)));
   float kt[TILE][MAXD] __attribute__((aligned(32))), vt[TILE][MAXD] __attribute__((aligned(32)));
   float m[ROWS * MAXG], l[ROWS * MAXG];
-  int end = 0;
+  int start[ROWS], lo = INT32_MAX, end = 0;  /* each row's first position; the item's span [lo, end) */
   for (int r = 0; r < nr; r++) {
-    end = lens[r0 + r] > end ? lens[r0 + r] : end;
+    const int len = lens[r0 + r];
+    start[r] = window > 0 && len > window ? len - window : 0;
+    lo = start[r] < lo ? start[r] : lo;
+    end = len > end ? len : end;
     for (int g = 0; g < G; g++) {
       float* qg = qf + (r * G + g) * D;
       load_row(q, ((int64_t)(r0 + r) * Hq + h * G + g) * D, D, dtype, qg);
@@ -310,20 +320,20 @@ static inline __attribute__((always_inline)) void item_avx2(
       m[r * G + g] = -INFINITY; l[r * G + g] = 0.f;
     }
   }
-  for (int t0 = lo; t0 < end; t0 += TILE) {
+  for (int t0 = lo / TILE * TILE; t0 < end; t0 += TILE) {
     const int n = end - t0 < TILE ? end - t0 : TILE;
-    for (int j = 0; j < n; j++) {
+    for (int j = lo > t0 ? lo - t0 : 0; j < n; j++) {
       const int t = t0 + j;
       const int64_t row = (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;
       load_row8(kc, row, dtype, kt[j], NV);
       load_row8(vc, row, dtype, vt[j], NV);
     }
     for (int r = 0; r < nr; r++) {
-      const int live = lens[r0 + r] - t0;
-      if (live <= 0) continue;
+      const int a = start[r] > t0 ? start[r] - t0 : 0, live = lens[r0 + r] - t0;
+      if (live <= 0 || a >= TILE) continue;
       for (int g = 0; g < G; g++) {
         const int i = r * G + g;
-        tile_avx2(qf + i * D, acc + i * D, &m[i], &l[i], kt, vt, live < TILE ? live : TILE, cap, NV);
+        tile_avx2(qf + i * D, acc + i * D, &m[i], &l[i], kt, vt, a, live < TILE ? live : TILE, cap, NV);
       }
     }
   }
@@ -335,16 +345,16 @@ static inline __attribute__((always_inline)) void item_avx2(
 }
 #endif
 
-/* The rows one item may take: ROWS (at most ROW_FLOATS of queries) on the AVX2 build for rows of a shared sequence
-   without a window, else 1 */
-static int rows_per_item(int G, int D, int window, const int32_t* seqs) {
+/* The rows one item may take: ROWS (at most ROW_FLOATS of queries) on the AVX2 build for rows of a shared sequence,
+   else 1 */
+static int rows_per_item(int G, int D, const int32_t* seqs) {
 #if defined(ROWWISE_ITEMS)
-  if (seqs != NULL && window <= 0 && D % 8 == 0) {
+  if (seqs != NULL && D % 8 == 0) {
     const int fit = ROW_FLOATS / (G * D);
     return fit < ROWS ? fit : ROWS;
   }
 #endif
-  (void)G; (void)D; (void)window; (void)seqs;
+  (void)G; (void)D; (void)seqs;
   return 1;
 }
 
@@ -356,7 +366,7 @@ static int rows_per_item(int G, int D, int window, const int32_t* seqs) {
 static void run_items(const void* q, const void* kc, const void* vc, const int32_t* block_tables,
                       const int32_t* seqs, const int32_t* lens, void* out, int R, int Hq, int Hkv, int D, int BS,
                       int MB, float scale, int window, float cap, int dtype, int threads) {
-  const int G = Hq / Hkv, per = rows_per_item(G, D, window, seqs);
+  const int G = Hq / Hkv, per = rows_per_item(G, D, seqs);
   int first[R + 1], B = 0;  /* the items' first rows (B items), then R */
   for (int r = 0; r < R; r++)
     if (r == 0 || r - first[B - 1] == per || seqs == NULL || seqs[r] != seqs[first[B - 1]]) first[B++] = r;
@@ -371,7 +381,7 @@ static void run_items(const void* q, const void* kc, const void* vc, const int32
     const int len = lens[s], lo = window > 0 && len > window ? len - window : 0;
 #if defined(ROWWISE_ITEMS)
     const int nr = first[b + 1] - s;
-#define AVX2_ITEM(NV) item_avx2(q, kc, vc, table, lens, s, nr, lo, out, h, G, Hq, Hkv, BS, scale, cap, dtype, NV)
+#define AVX2_ITEM(NV) item_avx2(q, kc, vc, table, lens, s, nr, window, out, h, G, Hq, Hkv, BS, scale, cap, dtype, NV)
     if (D == 64) { AVX2_ITEM(8); continue; }
     if (D == 128) { AVX2_ITEM(16); continue; }
     if (D % 8 == 0) { AVX2_ITEM(D / 8); continue; }
