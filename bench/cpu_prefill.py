@@ -2,10 +2,11 @@
 batch-invariant serving (kernels/cpu/paged_decode.py's paged_rows) against the SDPA path, through
 TorchPagedAttention, on one layer of a 2048-token prefill step of real prompt lengths.
 
-    python bench/cpu_prefill.py [--tokens 2048] [--repeats 20] [--past 0]
+    python bench/cpu_prefill.py [--tokens 2048] [--repeats 20] [--past 0] [--window W]
 
 The step's chunks are the lengths of the first ShareGPT prompts (chat-templated, bundled tokenizer) that fill
 --tokens, each after --past cached tokens; SmolLM2-135M's heads (9 query, 3 kv, head_dim 64), block 16, bf16.
+--window: a sliding-window layer (then "sdpa" is the masked torch path such layers take, and no AMX kernel).
 The paths run alternately on the same inputs; prints the median milliseconds of each, its ratio to SDPA and its
 GFLOP/s (4 * causal query-key pairs * head_dim * query heads).
 """
@@ -22,6 +23,7 @@ from engine_throughput import chat_prompts
 from quantkit.models.loader import load_tokenizer
 from quantkit.kernels.cpu import paged_prefill as cpu_prefill
 from quantkit.kernels.cpu.paged_decode import load_rows_kernel
+from quantkit.models.attention import AttentionSpec
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--past", type=int, default=0, help="cached tokens before each chunk")
+    ap.add_argument("--window", type=int, default=None, help="the layer's sliding window (default: none)")
     args = ap.parse_args()
     q_lens = step_lengths(args.tokens)
     seq_lens = [n + args.past for n in q_lens]
@@ -65,12 +68,13 @@ def main() -> None:
     meta = AttentionMetadata(slot_mapping=torch.cat(slots), block_tables=tables,
                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl, num_decodes=0,
                              seq_lens_host=seq_lens, query_lens_host=q_lens)
-    backends = {"sdpa": TorchPagedAttention(caches, D ** -0.5)}
+    specs = [AttentionSpec(D ** -0.5, sliding_window=args.window)]
+    backends = {"sdpa": TorchPagedAttention(caches, specs)}
     rows, amx = load_rows_kernel(), cpu_prefill.load_prefill_kernel()
     if rows is not None:
-        backends["row kernel (batch-invariant)"] = TorchPagedAttention(caches, D ** -0.5, rows_kernel=rows)
-    if amx is not None:  # AMX CPUs only
-        backends["amx kernel"] = TorchPagedAttention(caches, D ** -0.5, prefill_kernel=amx)
+        backends["row kernel (batch-invariant)"] = TorchPagedAttention(caches, specs, rows_kernel=rows)
+    if amx is not None and args.window is None:  # AMX CPUs only
+        backends["amx kernel"] = TorchPagedAttention(caches, specs, prefill_kernel=amx)
     times = {name: [] for name in backends}
     for _ in range(args.repeats):
         for name, attn in backends.items():
@@ -79,9 +83,10 @@ def main() -> None:
             attn(0, q, k, v)
             times[name].append(time.perf_counter() - start)
     ms = {name: 1000 * statistics.median(ts) for name, ts in times.items()}
-    pairs = sum(p * q_len + q_len * (q_len + 1) / 2 for p, q_len in zip([args.past] * len(q_lens), q_lens))
+    seen = args.window or max(seq_lens)  # query at position p sees min(p + 1, window) keys
+    pairs = sum(min(pos + 1, seen) for q_len in q_lens for pos in range(args.past, args.past + q_len))
     print(f"{len(q_lens)} chunks, {t} tokens (lengths {min(q_lens)}-{max(q_lens)}), past {args.past}, "
-          f"{torch.get_num_threads()} threads")
+          f"window {args.window}, {torch.get_num_threads()} threads")
     for name, value in ms.items():
         print(f"{name}: {value:.2f} ms, sdpa / it {ms['sdpa'] / value:.2f}x, "
               f"{4 * pairs * D * HQ / (value * 1e-3) / 1e9:.0f} GFLOP/s")
