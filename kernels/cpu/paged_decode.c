@@ -57,6 +57,10 @@ static void soft_cap(float* sc, int n, float cap) {
   for (int j = 0; j < n; j++) sc[j] = cap * tanhf(sc[j] / cap);
 }
 
+/* the first position a row of length len sees: len - window for a sliding-window layer (window > 0) once that is
+   positive, else 0 */
+static inline int window_start(int len, int window) { return window > 0 && len > window ? len - window : 0; }
+
 static void item_generic(const void* q, const void* kc, const void* vc, const int32_t* table, int lo, int len,
                          void* out, int s, int h, int G, int Hq, int Hkv, int D, int BS, float scale, float cap,
                          int dtype) {
@@ -245,6 +249,13 @@ static inline __attribute__((always_inline)) void load_row8(const void* base, in
   }
 }
 
+/* lane i of tokens j0 .. j0 + 7 all ones where the token j0 + i is live (a <= j0 + i < n), else zero */
+static inline __m256 live8(int j0, int a, int n) {
+  const __m256i j = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(j0));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), j),
+                                              _mm256_cmpgt_epi32(j, _mm256_set1_epi32(a - 1))));
+}
+
 /* One tile of one query row and head: qf [D] (scaled), live tokens [a, n) of the fp32 tile kt / vt; updates the
    running max m, normaliser l and accumulator acc [D]. Score j = the 8-lane partial products of q . k_j summed by
    sum8. */
@@ -258,9 +269,10 @@ static inline __attribute__((always_inline)) void tile_avx2(
     for (int i = 0; i < 8; i++) {
       const int j = 8 * half + i;
       if (j < a || j >= n) { part[i] = _mm256_setzero_ps(); continue; }
-      __m256 a = _mm256_mul_ps(_mm256_load_ps(qf), _mm256_load_ps(kt[j]));
-      for (int v = 1; v < NV; v++) a = _mm256_fmadd_ps(_mm256_load_ps(qf + 8 * v), _mm256_load_ps(kt[j] + 8 * v), a);
-      part[i] = a;
+      __m256 dot = _mm256_mul_ps(_mm256_load_ps(qf), _mm256_load_ps(kt[j]));
+      for (int v = 1; v < NV; v++)
+        dot = _mm256_fmadd_ps(_mm256_load_ps(qf + 8 * v), _mm256_load_ps(kt[j] + 8 * v), dot);
+      part[i] = dot;
     }
     x[half] = sum8(part);
   }
@@ -269,22 +281,15 @@ static inline __attribute__((always_inline)) void tile_avx2(
     soft_cap(sc + a, n - a, cap);
     x[0] = _mm256_load_ps(sc); x[1] = _mm256_load_ps(sc + 8);
   }
-  /* lane j live: a <= j < n */
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), below = _mm256_set1_epi32(a - 1);
-  const __m256i live0 = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane),
-                                         _mm256_cmpgt_epi32(lane, below));
-  const __m256i lane8 = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
-  const __m256i live1 = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane8),
-                                         _mm256_cmpgt_epi32(lane8, below));
-  const __m256 ninf = _mm256_set1_ps(-INFINITY);
-  x[0] = _mm256_blendv_ps(ninf, x[0], _mm256_castsi256_ps(live0));
-  x[1] = _mm256_blendv_ps(ninf, x[1], _mm256_castsi256_ps(live1));
+  const __m256 live0 = live8(0, a, n), live1 = live8(8, a, n), ninf = _mm256_set1_ps(-INFINITY);
+  x[0] = _mm256_blendv_ps(ninf, x[0], live0);
+  x[1] = _mm256_blendv_ps(ninf, x[1], live1);
   const float tile_max = hmax8(_mm256_max_ps(x[0], x[1]));
   const float mx = tile_max > *m ? tile_max : *m;
   const float corr = expf(*m - mx);  /* 0 on the first tile (m = -inf) */
   const __m256 vmx = _mm256_set1_ps(mx);
-  const __m256 p0 = _mm256_and_ps(exp8(_mm256_sub_ps(x[0], vmx)), _mm256_castsi256_ps(live0));
-  const __m256 p1 = _mm256_and_ps(exp8(_mm256_sub_ps(x[1], vmx)), _mm256_castsi256_ps(live1));
+  const __m256 p0 = _mm256_and_ps(exp8(_mm256_sub_ps(x[0], vmx)), live0);
+  const __m256 p1 = _mm256_and_ps(exp8(_mm256_sub_ps(x[1], vmx)), live1);
   *l = *l * corr + hsum8(_mm256_add_ps(p0, p1));
   *m = mx;
   _mm256_store_ps(sc, p0); _mm256_store_ps(sc + 8, p1);
@@ -310,7 +315,7 @@ static inline __attribute__((always_inline)) void item_avx2(
   int start[ROWS], lo = INT32_MAX, end = 0;  /* each row's first position; the item's span [lo, end) */
   for (int r = 0; r < nr; r++) {
     const int len = lens[r0 + r];
-    start[r] = window > 0 && len > window ? len - window : 0;
+    start[r] = window_start(len, window);
     lo = start[r] < lo ? start[r] : lo;
     end = len > end ? len : end;
     for (int g = 0; g < G; g++) {
@@ -378,7 +383,7 @@ static void run_items(const void* q, const void* kc, const void* vc, const int32
   for (int item = 0; item < B * Hkv; item++) {
     const int b = item / Hkv, h = item % Hkv, s = first[b];
     const int32_t* table = block_tables + (int64_t)(seqs ? seqs[s] : s) * MB;
-    const int len = lens[s], lo = window > 0 && len > window ? len - window : 0;
+    const int len = lens[s], lo = window_start(len, window);
 #if defined(ROWWISE_ITEMS)
     const int nr = first[b + 1] - s;
 #define AVX2_ITEM(NV) item_avx2(q, kc, vc, table, lens, s, nr, window, out, h, G, Hq, Hkv, BS, scale, cap, dtype, NV)
