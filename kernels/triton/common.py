@@ -44,3 +44,34 @@ def round_to(x, dtype: tl.constexpr, EXACT_BF16: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
+
+
+class SplitWorkspaces:
+    """Per-device persistent scratch of a kernel whose split programs reduce in one launch (the program that
+    arrives last merges the others' partials): an fp32 workspace and int32 arrival counters.
+
+    Invariant: the counters are all zero between launches (the kernel puts each one back after its merge); the
+    workspace needs no clearing (a launch writes every element it reads). Buffers grow, never shrink, and never
+    during CUDA-graph capture (reserve the engine's largest launch at load time); a replaced buffer is kept alive,
+    since a graph captured earlier may still point at it. Launches on one stream are serialised, so one buffer per
+    device is safe; concurrent launches on different streams of one device are not supported."""
+
+    def __init__(self):
+        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def reserve(self, device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 workspace >= floats elements, int32 counters >= counters) of `device`, grown if needed."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # one key per GPU, as tensors name it
+        ws, cnt = self._buffers.get(device, (None, None))
+        if ws is None or ws.numel() < floats or cnt.numel() < counters:
+            assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+                "a split workspace grown during CUDA-graph capture: reserve it at load time"
+            if ws is not None:
+                self._retired.append((ws, cnt))
+                floats, counters = max(floats, ws.numel()), max(counters, cnt.numel())
+            self._buffers[device] = (torch.zeros(floats, dtype=torch.float32, device=device),
+                                     torch.zeros(counters, dtype=torch.int32, device=device))
+        return self._buffers[device]

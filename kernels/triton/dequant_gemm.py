@@ -3,7 +3,7 @@
 
 Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), programs ordered in GROUP_M-row bands so neighbouring programs
 share x rows and weight columns in L2 (Triton matmul tutorial ordering). fp32 accumulator; each K tile loads
-its group's scales once (dequantize.dequant_tile).
+its group's scales once and multiplies the exact integers code - zero (dequantize.dequant_dot).
 """
 
 from __future__ import annotations
@@ -12,27 +12,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import fp32_dot, mma, quick_bench
-from .dequantize import check_matmul_inputs, dequant_matmul_ref, dequant_tile, weight_args, weight_meta
+from .common import fp32_dot, quick_bench
+from .dequantize import check_matmul_inputs, dequant_dot, dequant_matmul_ref, min_block_k, weight_args, weight_meta
 from .repack import PackedWeight
 
 
 def _configs() -> list[triton.Config]:
     """Candidate tiles for H100/H200/A100-class GPUs (autotuned per (N, K, M bucket), cached on disk)."""
-    shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); none spills registers at sm_90 (ptxas -v, 4-bit)
-        (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
-        (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 64, 64, 8, 3),
-        (128, 128, 64, 8, 3), (128, 256, 32, 8, 3), (256, 64, 32, 8, 3),
+    shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_K >= min_block_k(4)
+        (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 128, 4, 4),
+        (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3),
+        (128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (256, 64, 128, 8, 3),
     ]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for bm, bn, bk, w, s in shapes]
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop row tiles far taller than the M bucket (they only multiply padding)."""
-    bucket = named_args["M_BUCKET"]
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)]
-    return kept or configs[:1]
+    """Keep K tiles dequant_dot takes and row tiles not far taller than the M bucket (they only multiply
+    padding); when some remain, keep the K tiles inside one group (dequant_dot's exact-integer path)."""
+    bucket, group_k = named_args["M_BUCKET"], kwargs["GROUP_K"]
+    kept = [c for c in configs
+            if c.kwargs["BLOCK_M"] <= max(16, bucket) and c.kwargs["BLOCK_K"] >= min_block_k(kwargs["BITS"])]
+    aligned = [c for c in kept if group_k % c.kwargs["BLOCK_K"] == 0]
+    return aligned or kept or configs[:1]
 
 
 @triton.jit
@@ -57,18 +60,8 @@ def _gemm_kernel(
     mask_m = offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK] packed rows
-        mask_k = offs_k < K
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)  # [BK] x columns of these packed rows
-        else:
-            cols = offs_k
-        # x (m, col) at x_ptr + m * stride_xm + col
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)  # [BM, BK]
-        w = dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
-                         BITS, GROUP_K, SYM, BLOCK_K)  # [BK, BN] fp32
-        acc = mma(x, w.to(x.dtype), acc, FP32_DOT)  # fp32 accumulate
+        acc = dequant_dot(x_ptr, offs_m, mask_m, stride_xm, perm_ptr, acc, qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N,
+                          stride_qw, stride_sg, BITS, GROUP_K, SYM, HAS_PERM, BLOCK_K, FP32_DOT)  # fp32 accumulate
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     # out (m, n) at out_ptr + m * stride_om + n
@@ -77,10 +70,11 @@ def _gemm_kernel(
 
 
 # the CPU interpreter cannot time configs: it runs this small one
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 4}
 
-_gemm_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET"], prune_configs_by={"early_config_prune": _prune},
-                              do_bench=quick_bench, cache_results=True)(_gemm_kernel)
+_gemm_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET", "BITS", "GROUP_K"],
+                              prune_configs_by={"early_config_prune": _prune}, do_bench=quick_bench,
+                              cache_results=True)(_gemm_kernel)
 
 
 def m_bucket(m: int) -> int:
@@ -106,6 +100,7 @@ def dequant_gemm(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
         grid = lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)  # noqa: E731
         _gemm_tuned[grid](*args, **meta)
     else:
+        assert config["BLOCK_K"] >= min_block_k(pw.bits), f"BLOCK_K={config['BLOCK_K']} < {min_block_k(pw.bits)}"
         _gemm_kernel[(triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)](*args, **meta, **config)
     return out
 

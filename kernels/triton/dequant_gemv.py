@@ -1,10 +1,12 @@
 # dequant_gemv - x [M, K] fp16/bf16 (M <= GEMV_MAX_M) @ W'[K, N] (PackedWeight, 4/8-bit) -> out [M, N], x.dtype
-"""Decode-time dequant-GEMM: split-K over many small programs so a handful of tokens still streams the packed
-weight at full memory bandwidth.
+"""Decode-time dequant-GEMM: split-K over many small programs so a decode batch (M <= 64 rows) still streams the
+packed weight at full memory bandwidth.
 
 Grid (cdiv(N, BLOCK_N), SPLIT_K): program (pid_n, pid_k) owns output columns [pid_n*BLOCK_N, +BLOCK_N) and the
-K slice [pid_k*k_per_split, +k_per_split). M == 1 multiplies on the CUDA cores (broadcast x, reduce over K);
-M in 2..16 pads the rows to 16 and uses tl.dot. Accumulation is fp32 throughout.
+K slice [pid_k*k_per_split, +k_per_split). M == 1 multiplies on the CUDA cores (x broadcast over N, products
+summed over each word's codes in registers, and over K once after the loop); M in 2..64 pads the rows to
+BLOCK_M = 16, 32 or 64 and uses tl.dot on the exact integers code - zero (dequantize.dequant_dot). Codes become
+floats by bit tricks, never by an int -> float conversion (dequantize.code_values). Accumulation is fp32.
 
 Split-K reduction in ONE launch (no memset, no cast kernel): every program stores its fp32 partial [M, BLOCK_N]
 in its own slice of a per-device workspace [SPLIT_K, M, N] (plain stores), then bumps a per-column-tile arrival
@@ -24,31 +26,41 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import fp32_dot, mma, quick_bench
-from .dequantize import check_matmul_inputs, dequant_matmul_ref, dequant_tile, dequant_tile3, weight_args, weight_meta
+from .common import SplitWorkspaces, fp32_dot, quick_bench
+from .dequantize import check_matmul_inputs, dequant_dot, dequant_matmul_ref, min_block_k, weight_args, weight_meta
 from .repack import PackedWeight
 
-GEMV_MAX_M = 16  # rows one launch handles (tl.dot needs a 16-row tile; more rows go to dequant_gemm)
+GEMV_MAX_M = 64  # rows one launch handles: every decode batch bucket up to 64 (more rows go to dequant_gemm)
 _MIN_BLOCK_N = 32  # no config has a smaller BLOCK_N: sizes the counter array
-_SPLITS = (1, 4, 8, 16)
-MAX_SPLIT_K = max(_SPLITS)  # sizes the workspace: one [GEMV_MAX_M, N] slice per split
+WORKSPACE_ROWS = 256  # SPLIT_K * BLOCK_M of every config: the workspace holds [WORKSPACE_ROWS, N] fp32
+_MAX_ACC = 64 * 128  # fp32 accumulator elements per program (BLOCK_M * BLOCK_N) that fit sm_90 registers
+
+
+def block_m(m: int) -> int:
+    """Rows of a program's tile for M rows: 16, 32 or 64 (tl.dot, padded)."""
+    return max(16, triton.next_power_of_2(m))
 
 
 def _configs() -> list[triton.Config]:
-    """Candidate tiles for H100/H200/A100-class GPUs (autotuned per (N, K, M bucket), cached on disk): 6 tile
-    shapes x 4 splits = 24 compiles per (bits, M bucket, dtype), so a first run tunes in about a minute."""
-    tiles = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 64, 8))
+    """Candidate tiles (BLOCK_N, BLOCK_K, warps) x splits for H100/H200/A100-class GPUs, autotuned per (N, K,
+    M bucket, bits, group); _prune keeps at most 24 per key (fewer above 16 rows), about a minute of tuning."""
+    tiles = ((64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 256, 4), (128, 256, 8))
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=3)
-            for bn, bk, warps in tiles for split in _SPLITS]
+            for bn, bk, warps in tiles for split in (1, 4, 8, 16)]
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop splits that would leave programs without a full K tile and tiles far wider than N."""
-    k, n = named_args["K"], named_args["N"]
+    """Keep K tiles dequant_dot takes, splits that leave every program a full K tile and fit the workspace, tiles
+    not far wider than N whose accumulator fits registers, and (when some do) K tiles inside one group (dequant_dot's
+    exact-integer path)."""
+    k, n, rows, group_k = named_args["K"], named_args["N"], kwargs["BLOCK_M"], kwargs["GROUP_K"]
     kept = [c for c in configs
-            if c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"] <= max(k, c.kwargs["BLOCK_K"])
+            if c.kwargs["BLOCK_K"] >= min_block_k(kwargs["BITS"])
+            and c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"] <= max(k, c.kwargs["BLOCK_K"])
+            and c.kwargs["SPLIT_K"] * rows <= WORKSPACE_ROWS and rows * c.kwargs["BLOCK_N"] <= _MAX_ACC
             and c.kwargs["BLOCK_N"] <= max(_MIN_BLOCK_N, triton.next_power_of_2(n))]
-    return kept or configs[:1]
+    aligned = [c for c in kept if group_k % c.kwargs["BLOCK_K"] == 0]
+    return aligned or kept or configs[:1]
 
 
 @triton.jit
@@ -70,31 +82,9 @@ def _gemv_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    P: tl.constexpr = 32 // BITS
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if BLOCK_M == 1:
-            # CUDA cores: w (j, p, n) = packed row k0 + j*P + p; x gathered in the same [BK/P, P] shape
-            offs_k = k0 + tl.arange(0, BLOCK_K // P)[:, None] * P + tl.arange(0, P)[None, :]  # [BKW, P]
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK] packed rows
-        mask_k = offs_k < K
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)  # x column of each packed row
-        else:
-            cols = offs_k
-        if BLOCK_M == 1:
-            # x (0, col) at x_ptr + col; evict_last: every column tile re-reads x
-            x = tl.load(x_ptr + cols, mask=mask_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            w = dequant_tile3(qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
-                              BITS, GROUP_K, SYM, BLOCK_K)  # [BKW, P, BN] fp32
-            acc += tl.sum(tl.sum(x[:, :, None] * w, axis=1), axis=0)[None, :]  # [1, BN]
-        else:
-            # x (m, col) at x_ptr + m * stride_xm + col
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_last")  # [BM, BK]
-            w = dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
-                             BITS, GROUP_K, SYM, BLOCK_K)  # [BK, BN] fp32
-            acc = mma(x, w.to(x.dtype), acc, FP32_DOT)  # fp32 accumulate
+        acc = dequant_dot(x_ptr, offs_m, mask_m, stride_xm, perm_ptr, acc, qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N,
+                          stride_qw, stride_sg, BITS, GROUP_K, SYM, HAS_PERM, BLOCK_K, FP32_DOT)
     mask_out = mask_m[:, None] & (offs_n < N)[None, :]
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :]  # (m, n) of out
     if SPLIT_K == 1:
@@ -118,26 +108,18 @@ def _gemv_kernel(
 
 
 # the CPU interpreter cannot time configs: it runs this small one
-INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}
+INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2}
 
-_gemv_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET"], prune_configs_by={"early_config_prune": _prune},
+_gemv_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET", "BITS", "GROUP_K"],
+                              prune_configs_by={"early_config_prune": _prune},
                               do_bench=quick_bench, cache_results=True)(_gemv_kernel)
 
-# device -> (fp32 workspace, int32 counters); grown by reserve_workspace; the counters are zero between launches
-_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES = SplitWorkspaces()  # per device: the [WORKSPACE_ROWS, N] fp32 slices and the column-tile counters
 
 
 def reserve_workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Make the device's split-K workspace fit N columns (call at load time, outside CUDA-graph capture)."""
-    device = torch.device(device)
-    ws, cnt = _WORKSPACES.get(device, (None, None))
-    need_ws, need_cnt = MAX_SPLIT_K * GEMV_MAX_M * n, triton.cdiv(n, _MIN_BLOCK_N)
-    if ws is None or ws.numel() < need_ws or cnt.numel() < need_cnt:
-        size_ws = max(need_ws, 0 if ws is None else ws.numel())
-        size_cnt = max(need_cnt, 0 if cnt is None else cnt.numel())
-        _WORKSPACES[device] = (torch.zeros(size_ws, dtype=torch.float32, device=device),
-                               torch.zeros(size_cnt, dtype=torch.int32, device=device))
-    return _WORKSPACES[device]
+    return _WORKSPACES.reserve(device, WORKSPACE_ROWS * n, triton.cdiv(n, _MIN_BLOCK_N))
 
 
 def dequant_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
@@ -149,11 +131,11 @@ def dequant_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
     assert 1 <= m <= GEMV_MAX_M, f"M={m} is outside the GEMV range 1..{GEMV_MAX_M}"
     ws, cnt = reserve_workspace(x.device, n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m = 1 if m == 1 else 16
+    rows = block_m(m)
     args = (x, *weight_args(pw),
-            bias if bias is not None else x, out, ws, cnt, m, n, k, block_m,
+            bias if bias is not None else x, out, ws, cnt, m, n, k, rows,
             x.stride(0), out.stride(0), pw.qweight.stride(0), pw.scales.stride(0))
-    meta = dict(**weight_meta(pw), HAS_BIAS=bias is not None, FP32_DOT=fp32_dot(x.dtype), BLOCK_M=block_m)
+    meta = dict(**weight_meta(pw), HAS_BIAS=bias is not None, FP32_DOT=fp32_dot(x.dtype), BLOCK_M=rows)
     if config is None and triton.knobs.runtime.interpret:
         config = INTERPRETER_CONFIG
     if config is None:
@@ -161,7 +143,8 @@ def dequant_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
         _gemv_tuned[grid](*args, **meta)
     else:
         split = config["SPLIT_K"]
-        assert split <= MAX_SPLIT_K, f"SPLIT_K={split}: the workspace holds {MAX_SPLIT_K} slices"
+        assert split * rows <= WORKSPACE_ROWS, f"SPLIT_K={split} x {rows} rows: the workspace holds {WORKSPACE_ROWS}"
+        assert config["BLOCK_K"] >= min_block_k(pw.bits), f"BLOCK_K={config['BLOCK_K']} < {min_block_k(pw.bits)}"
         _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]), config["SPLIT_K"])](*args, **meta, **config)
     return out
 

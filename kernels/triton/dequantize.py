@@ -12,7 +12,75 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import mma
 from .repack import PackedWeight
+
+
+def min_block_k(bits: int) -> int:
+    """The smallest K tile dequant_dot takes: 16 packed rows per code position (tl.dot's K >= 16)."""
+    return 16 * (32 // bits)
+
+
+@triton.jit
+def tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The words of packed rows [k0, k0 + BLOCK_K) x offs_n -> uint32 [BLOCK_K / P, BLOCK_N]: word (w, n) holds
+    packed row k0 + w*P + j at bits [BITS*j, BITS*(j+1)); words past K are 0. Each is loaded once, coalesced along
+    N, evict_first (weights are streamed once); unsigned, so the shifts that unpack it are logical."""
+    P: tl.constexpr = 32 // BITS
+    # word (w, n) at qw_ptr + w * stride_qw + n
+    offs_w = k0 // P + tl.arange(0, BLOCK_K // P)  # [BKW]
+    words = tl.load(qw_ptr + offs_w[:, None] * stride_qw + offs_n[None, :],
+                    mask=(offs_w * P < K)[:, None] & (offs_n < N)[None, :], other=0, eviction_policy="evict_first")
+    return words.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def group_params(s_ptr, z_ptr, k0, rows, offs_n, K, N, stride_sg,
+                 BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """(zero, scale fp32) of packed rows `rows` [R] x offs_n: ONE_GROUP (the rows all lie in group k0 // GROUP_K)
+    one [1, BN] row each, else gathered per row, [R, BN] (rows past K: scale 0). zero: the constant 2^(BITS-1)
+    when SYM, else the uint8 zeros."""
+    mask_n = offs_n < N
+    if ONE_GROUP:
+        offs = (k0 // GROUP_K) * stride_sg + offs_n[None, :]  # [1, BN]
+        mask = mask_n[None, :]
+    else:
+        offs = (rows // GROUP_K)[:, None] * stride_sg + offs_n[None, :]  # [R, BN]
+        mask = (rows < K)[:, None] & mask_n[None, :]
+    scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SYM:
+        zero = 1 << (BITS - 1)
+    else:
+        zero = tl.load(z_ptr + offs, mask=mask, other=0)
+    return zero, scale
+
+
+@triton.jit
+def code_values(codes, zero, DTYPE: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr):
+    """codes (uint32, < 2^BITS) - zero (group_params' zero), exact, in DTYPE (fp32, fp16, or bf16 for 4-bit codes),
+    without an int -> float conversion per code (the CUDA guide's throughput table: 16 conversions per SM per
+    clock on sm_80/sm_90, against 64-128 integer or fp32 operations; conversions, not weight bytes, set the speed
+    of the first GPU kernels). The float whose bits are MAGIC | code is BASE + code exactly (fp32 0x4B000000 = 2^23;
+    fp16 0x6400 = 1024, codes < 1024; bf16 0x4300 = 128, codes < 128), and (BASE + code) - (BASE + zero) is exact;
+    uint8 zeros are converted once per group row, not per code."""
+    if DTYPE == tl.float16:
+        MAGIC: tl.constexpr = 0x6400
+        BASE: tl.constexpr = 1024.0
+    elif DTYPE == tl.bfloat16 and BITS == 4:
+        MAGIC: tl.constexpr = 0x4300
+        BASE: tl.constexpr = 128.0
+    else:
+        MAGIC: tl.constexpr = 0x4B000000
+        BASE: tl.constexpr = 8388608.0
+    if MAGIC == 0x4B000000:
+        biased = (codes | MAGIC).to(tl.float32, bitcast=True)
+    else:
+        biased = (codes | MAGIC).to(tl.uint16).to(DTYPE, bitcast=True)
+    if SYM:
+        values = biased - (BASE + zero)  # a constant of biased's dtype
+    else:
+        values = biased - (zero.to(tl.float32) + BASE).to(biased.dtype)
+    return values.to(DTYPE)
 
 
 @triton.jit
@@ -22,36 +90,21 @@ def dequant_tile3(
     stride_qw, stride_sg,  # row strides of qweight and of scales/zeros (columns are contiguous)
     BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """-> fp32 [BLOCK_K / P, P, BLOCK_N]: element (w, j, n) is packed row k0 + w*P + j; rows >= K are 0 codes."""
+    """-> W' fp32 [BLOCK_K / P, P, BLOCK_N]: element (w, j, n) is packed row k0 + w*P + j; rows >= K are 0 codes."""
     P: tl.constexpr = 32 // BITS
     MAXQ: tl.constexpr = (1 << BITS) - 1
-    mask_n = offs_n < N
-    # words [k0/P, +BLOCK_K/P) x offs_n, word (w, n) at qw_ptr + w * stride_qw + n: each loaded once, evict_first
-    # (weights are streamed once)
-    offs_w = k0 // P + tl.arange(0, BLOCK_K // P)  # [BKW]
-    words = tl.load(qw_ptr + offs_w[:, None] * stride_qw + offs_n[None, :],
-                    mask=(offs_w * P < K)[:, None] & mask_n[None, :], other=0, eviction_policy="evict_first")
-    shifts = tl.arange(0, P) * BITS  # [P]: packed row w*P + j sits at bits [BITS*j, BITS*(j+1)) of word w
-    code = ((words[:, None, :] >> shifts[None, :, None]) & MAXQ).to(tl.float32)  # [BKW, P, BN]
-    if GROUP_K % BLOCK_K == 0:
-        # the whole tile lies in group k0 // GROUP_K: one [BN] row of scales (and zeros) per tile
-        g = k0 // GROUP_K
-        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, None, :]
-        if SYM:
-            z = (MAXQ + 1) // 2
-        else:
-            z = tl.load(z_ptr + g * stride_sg + offs_n, mask=mask_n, other=0).to(tl.float32)[None, None, :]
-    else:
-        # groups shorter than (or not aligned with) the tile: gather the group row of every packed row
-        g_rows = (k0 + tl.arange(0, BLOCK_K // P)[:, None] * P + tl.arange(0, P)[None, :]) // GROUP_K  # [BKW, P]
-        offs = g_rows[:, :, None] * stride_sg + offs_n[None, None, :]
-        mask = (g_rows * GROUP_K < K)[:, :, None] & mask_n[None, None, :]
-        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if SYM:
-            z = (MAXQ + 1) // 2
-        else:
-            z = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32)
-    return (code - z) * s
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    words = tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS, BLOCK_K)  # [BKW, BN]
+    shifts = tl.arange(0, P).to(tl.uint32) * BITS  # [P]
+    codes = (words[:, None, :] >> shifts[None, :, None]) & MAXQ  # [BKW, P, BN]
+    rows = k0 + tl.arange(0, BLOCK_K)  # [BK] = (w, j) flattened
+    ONE_GROUP: tl.constexpr = GROUP_K % BLOCK_K == 0
+    zero, scale = group_params(s_ptr, z_ptr, k0, rows, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM, ONE_GROUP)
+    G: tl.constexpr = 1 if ONE_GROUP else BLOCK_K // P
+    GP: tl.constexpr = 1 if ONE_GROUP else P
+    if not SYM:
+        zero = tl.reshape(zero, (G, GP, BLOCK_N))
+    return code_values(codes, zero, tl.float32, BITS, SYM) * tl.reshape(scale, (G, GP, BLOCK_N))
 
 
 @triton.jit
@@ -59,9 +112,75 @@ def dequant_tile(
     qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
     BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dequant_tile3 as a 2D fp32 tile [BLOCK_K, BLOCK_N], row r = packed row k0 + r (the tl.dot operand)."""
+    """dequant_tile3 as a 2D fp32 tile [BLOCK_K, BLOCK_N], row r = packed row k0 + r."""
     w = dequant_tile3(qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg, BITS, GROUP_K, SYM, BLOCK_K)
     return tl.reshape(w, (BLOCK_K, offs_n.shape[0]))
+
+
+@triton.jit
+def dequant_dot(
+    x_ptr, offs_m, mask_m, stride_xm,  # x [M, K] fp16/bf16 and the tile's rows offs_m [BM] (mask_m: < M)
+    perm_ptr, acc,  # perm int32 [K] (read when HAS_PERM): x column of each packed row; acc [BM, BN] fp32
+    qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
+    BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """-> acc + x @ W'[packed rows k0 .. k0 + BLOCK_K, offs_n] on the tensor cores (fp32 accumulate),
+    BLOCK_K >= min_block_k(BITS).
+
+    One dot per code position j of the tile's words: codes j of the [BLOCK_K / P, BN] words (packed rows
+    k0 + w*P + j) against x's matching columns [BM, BLOCK_K / P], so the decoded weight keeps the words' register
+    layout (the [BK/P, P, BN] -> [BK, BN] reshape of the first kernels went through shared memory, one 16-bit store
+    per weight). A tile inside one group (GROUP_K % BLOCK_K == 0) multiplies x by exact integers, code - zero when
+    SYM, else the code itself with zero * sum(x) taken off after, and scales the [BM, BN] sum by the group's row
+    once. A tile across groups scales each code by its word's group (GROUP_K % P == 0: a word never straddles
+    groups) and rounds W' to x's dtype once, as (code - zero) * scale in fp32 would."""
+    P: tl.constexpr = 32 // BITS
+    MAXQ: tl.constexpr = (1 << BITS) - 1
+    ONE_GROUP: tl.constexpr = GROUP_K % BLOCK_K == 0
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    # codes in x's dtype on the GPU; fp32 in the interpreter (its bf16 arithmetic works on the raw bits), and for
+    # bf16 outside one group (the scaled weight is rounded once, from fp32)
+    if FP32_DOT or (x_ptr.dtype.element_ty == tl.bfloat16 and not ONE_GROUP):
+        CODES: tl.constexpr = tl.float32
+    else:
+        CODES: tl.constexpr = x_ptr.dtype.element_ty
+    words = tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS, BLOCK_K)  # [BKW, BN]
+    offs_w = tl.arange(0, BLOCK_K // P)  # [BKW]
+    if ONE_GROUP:
+        zero, scale = group_params(s_ptr, z_ptr, k0, offs_w, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM, True)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # not SYM: every column sum(x) of the rows
+    else:
+        zero, scale = group_params(s_ptr, z_ptr, k0, k0 + offs_w * P, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM,
+                                   False)  # [BKW, BN]: the group of each word
+        scale = scale.to(CODES)  # exact (fp16 scales)
+    for j in tl.static_range(P):
+        rows = k0 + offs_w * P + j  # [BKW] packed rows of code position j
+        mask_k = rows < K
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + rows, mask=mask_k, other=0)  # x column of each packed row
+        else:
+            cols = rows
+        # x (m, col) at x_ptr + m * stride_xm + col; evict_last: every column tile re-reads x
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0, eviction_policy="evict_last")  # [BM, BKW]
+        codes = (words >> (BITS * j)) & MAXQ  # [BKW, BN]
+        if ONE_GROUP and SYM:
+            part = mma(x, code_values(codes, zero, CODES, BITS, True), part, FP32_DOT)
+        elif ONE_GROUP:
+            part = mma(x, code_values(codes, 0, CODES, BITS, True), part, FP32_DOT)
+            # on the tensor cores too: a row sum in registers would shuffle across threads on every j
+            x_sum = mma(x, tl.full((BLOCK_K // P, BLOCK_N), 1.0, x.dtype), x_sum, FP32_DOT)
+        else:
+            w = code_values(codes, zero, CODES, BITS, SYM) * scale
+            acc = mma(x, w.to(x.dtype), acc, FP32_DOT)
+    if ONE_GROUP:
+        if not SYM:
+            part -= x_sum * zero.to(tl.float32)
+        acc += part * scale
+    return acc
 
 
 @triton.jit
@@ -97,6 +216,7 @@ def check_packed(pw: PackedWeight) -> None:
     assert pw.scales.shape == pw.zeros.shape and pw.scales.shape[1] == n, "scales/zeros [G, N]"
     assert pw.scales.stride(0) == pw.zeros.stride(0), "scales and zeros share one row stride"
     assert pw.perm is None or (pw.perm.dtype == torch.int32 and tuple(pw.perm.shape) == (k,)), "perm int32 [K]"
+    assert pw.group_k % p == 0, f"group of {pw.group_k} packed rows: a word's {p} codes must share one group"
 
 
 def check_matmul_inputs(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> None:

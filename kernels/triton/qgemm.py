@@ -9,15 +9,16 @@ takes many programs per column tile (split-K). Prefill is compute-bound: cuBLAS 
 the one-off dequantize is amortised over enough rows. In between, a tiled dequant-GEMM reads 4x/2x fewer bytes
 than fp16 and still feeds the tensor cores.
 
-  M <= GEMV_MAX_M                 dequant_gemv   split-K, one launch (M == 1 on CUDA cores, else 16-row tl.dot)
+  M <= GEMV_MAX_M                 dequant_gemv   split-K, one launch (M == 1 on CUDA cores, else tl.dot on 16-,
+                                                 32- or 64-row tiles): every decode batch bucket up to 64
   GEMV_MAX_M < M < DEQUANT_MIN_M  dequant_gemm   tiled, grouped program order
   M >= DEQUANT_MIN_M              dequantize -> torch.matmul (cuBLAS)
 
-The crossovers are measured by `python bench/kernels.py --crossover` (times all three paths at M = 1..4096 on
-Llama shapes and prints the first M where the next path is faster). Current values: GEMV_MAX_M = 16 is also the
-largest M the GEMV kernel accepts (a single 16-row tl.dot tile); DEQUANT_MIN_M = 512 is the published crossover
-of Triton W4A16 GEMMs against cuBLAS fp16 on A100/H100 (gemlite, vLLM's awq_triton), to be confirmed on the
-integrator's GPU with the bench script and updated here with its output.
+`python bench/gpu_kernels.py` times all three paths at M = 1..4096 on Llama shapes and prints the first M where
+the next path is faster, with the constants it implies. GEMV_MAX_M = 64 is the largest M the GEMV kernel accepts
+(its 64-row tiles; at 64 rows the tiled GEMM leaves most SMs idle on a 4096-wide layer without split-K);
+DEQUANT_MIN_M = 512 is the published crossover of Triton W4A16 GEMMs against cuBLAS fp16 on A100/H100 (gemlite,
+vLLM's awq_triton), to be confirmed on the integrator's GPU with the bench script and updated here with its output.
 """
 
 from __future__ import annotations

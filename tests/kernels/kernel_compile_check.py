@@ -8,11 +8,9 @@ from __future__ import annotations
 import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from quantkit.kernels.triton import (
-    dequant_gemm, dequant_gemv, dequantize, fused_moe, kv_store, paged_attention, paged_prefill, repack, rmsnorm,
+    aot, dequant_gemm, dequant_gemv, dequantize, fused_moe, kv_store, paged_attention, paged_prefill, repack, rmsnorm,
     silu_gate,
 )
 
@@ -21,20 +19,8 @@ COMPILED: list[str] = []  # names of the kernels compiled so far
 
 
 def compile_for(arch: int, fn, pointers: dict, consts: dict, floats=(), wide=(), warps=4, stages=3):
-    """Compile `fn` for sm_<arch>: pointer args typed by `pointers` (name -> triton dtype string), `floats` fp32
-    scalars, `wide` int64 scalars, every other non-constexpr argument int32."""
-    names = fn.arg_names
-    signature = {}
-    for name in names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = "*" + pointers[name]
-        else:
-            signature[name] = "fp32" if name in floats else "i64" if name in wide else "i32"
-    source = ASTSource(fn=fn, signature=signature, constexprs=consts)
-    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": warps, "num_stages": stages})
+    """aot.compile_for, checked: a cubin within the architecture's shared memory per program."""
+    kernel = aot.compile_for(arch, fn, pointers, consts, floats, wide, warps, stages)
     assert kernel.asm["cubin"], f"{fn.__name__}: no cubin"
     assert kernel.metadata.shared <= SMEM_LIMIT[arch], f"{fn.__name__}: {kernel.metadata.shared} B shared memory"
     COMPILED.append(fn.__name__)
@@ -48,13 +34,15 @@ def act_ptrs(dtype: str, *names) -> dict:
 
 
 def dequant_gemm_kernels(arch: int) -> None:
-    for bits, group, sym, perm, block_m, dtype in [(4, 128, True, False, 1, "fp16"), (8, 32, False, True, 16, "bf16")]:
+    # one group per K tile (the exact-integer path), sym fp16 and asym bf16; and groups shorter than the tile
+    cases = [(4, 128, True, False, 16, "fp16"), (4, 128, False, False, 64, "bf16"), (8, 32, False, True, 16, "bf16")]
+    for bits, group, sym, perm, block_m, dtype in cases:
         consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=perm, HAS_BIAS=True, FP32_DOT=False,
                       BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8)
         ptrs = {**WEIGHT_PTRS, **act_ptrs(dtype, "x_ptr", "bias_ptr", "out_ptr"), "ws_ptr": "fp32", "cnt_ptr": "i32"}
         compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts)
         consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=perm, HAS_BIAS=False, FP32_DOT=False,
-                      BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
+                      BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
         compile_for(arch, dequant_gemm._gemm_kernel, {**WEIGHT_PTRS, **act_ptrs(dtype, "x_ptr", "bias_ptr", "out_ptr")},
                     consts, warps=4, stages=4)
     compile_for(arch, dequantize._dequantize_kernel, {**WEIGHT_PTRS, "out_ptr": "fp16"},

@@ -4,8 +4,9 @@ Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (tests/kernels/triton_en
 TRITON_INTERPRET=0 the same tests run compiled on CUDA. The references are checked against quantkit's format
 spec (scheme.pack / scheme.dequantize) so they are independent of the kernels.
 
-Tolerances: the reference multiplies exact fp32 weights; the tensor-core kernels round each dequantized weight
-to x's dtype first (relative error u = 2^-11 fp16, 2^-8 bf16), which moves an output by about
+Tolerances: the reference multiplies exact fp32 weights; a K tile inside one group multiplies exact integers and
+scales once, but a tile across groups rounds each dequantized weight to x's dtype first (relative error u =
+2^-11 fp16, 2^-8 bf16), which moves an output by about
 u * sqrt(K / 3) * rms(x) * rms(w') (3 sigma <= 0.015 fp16, 0.12 bf16 at K <= 256 with unit-variance x and w'),
 plus one rounding of the output (rtol 2 ulps):
   fp16 rtol 4e-3 atol 2e-2,  bf16 rtol 1.6e-2 atol 1.5e-1.
@@ -27,7 +28,8 @@ from quantkit.quant import scheme
 TOL = {torch.float16: dict(rtol=4e-3, atol=2e-2), torch.bfloat16: dict(rtol=1.6e-2, atol=1.5e-1)}
 
 # (N, K, bits, group_size, sym, act_order): N and K off the 32/64 tiles, per-channel with K % p != 0,
-# group 32 under a 64-row tile (scales gathered per row), group 128, act-order permutations.
+# groups 32 and 64 under a 128-row tile (scales gathered per word), group 128 (one group per 128-row tile: the exact
+# integer path, sym and asym), act-order permutations.
 WEIGHTS = {
     "w4g32-sym": (40, 96, 4, 32, True, False),
     "w8g64-asym-act": (37, 128, 8, 64, False, True),
@@ -35,6 +37,7 @@ WEIGHTS = {
     "w4g128-asym-act": (50, 256, 4, 128, False, True),
     "w8ch-sym-oddK": (24, 98, 8, -1, True, False),
     "w4g32-sym-act": (48, 96, 4, 32, True, True),
+    "w4g128-sym": (64, 256, 4, 128, True, False),
 }
 
 
@@ -79,12 +82,16 @@ def test_dequantize_exact(weight):
     assert torch.equal(half, expected.half())
 
 
-# (M, config, bias): split-K of 1 and an uneven 3, 32- and 64-row K tiles, M = 1 / 3 / 16; each in fp16 and bf16
+# (M, config, bias): split-K of 1, 2 and an uneven 3 (past K = 256: empty splits), 128- and 256-row K tiles (one
+# group or several per tile), M = 1 / 3 / 16 / 20 / 64 (16-, 32- and 64-row tiles; 64 x 4 splits fills the
+# workspace); each in fp16 and bf16
 GEMV_CASES = {
-    "m1-k1": (1, {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}, False),
-    "m1-k3": (1, {"BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 3}, True),
-    "m3-k3": (3, {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3}, False),
-    "m16-k2": (16, {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}, True),
+    "m1-k1": (1, {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1}, False),
+    "m1-k3": (1, {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 3}, True),
+    "m3-k2": (3, {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2}, False),
+    "m16-k1": (16, {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1}, True),
+    "m20-k2": (20, {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2}, True),
+    "m64-k4": (64, {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}, False),
 }
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -105,17 +112,19 @@ def test_gemv_matches_reference(weight, m, dtype, config, bias):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels on a real shape: needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 16, 64])
 def test_gemv_every_tuned_config_on_a_real_shape(m):
-    """Each tile and split the autotuner may pick (4 warps), 5 launches in a row, on Llama-3-8B's gate/up shape:
-    the kernel's former atomic split-K reduction lost whole rows at M = 16 on an H200 in 16 of these 24 configs,
-    and the small-shape cases above (one config each) passed all the same."""
+    """Each tile and split the autotuner may pick for M rows, 5 launches in a row, on Llama-3-8B's gate/up shape:
+    the kernel's former atomic split-K reduction lost whole rows at M = 16 on an H200 in 16 of 24 configs, and
+    the small-shape cases above (one config each) passed all the same."""
     qt = make_qtensor(14336, 4096, 4, 128, True, False)
     pw = repack.repack(qt)
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, 4096, generator=gen).to(DEVICE, torch.float16)
     ref = dequant_gemv.dequant_gemv_ref(x, pw)
-    for c in dequant_gemv._configs():
+    configs = dequant_gemv._prune(dequant_gemv._configs(), {"N": 14336, "K": 4096},
+                                  BLOCK_M=dequant_gemv.block_m(m), GROUP_K=pw.group_k)
+    for c in configs:
         for _ in range(5):
             out = dequant_gemv.dequant_gemv(x, pw, config=dict(c.kwargs))
             torch.testing.assert_close(out, ref, **TOL[torch.float16], msg=lambda e: f"{c}: {e}")
@@ -123,8 +132,8 @@ def test_gemv_every_tuned_config_on_a_real_shape(m):
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("m,config", [
-    (17, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2}),
-    (127, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 2}),
+    (17, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 2}),
+    (127, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 2}),
 ], ids=["m17", "m127"])
 def test_gemm_matches_reference(weight, m, dtype, config):
     qt, pw = weight
@@ -167,7 +176,8 @@ def test_matmul_with_bias(dtype):
 
 
 def test_kernel_for_boundaries():
-    assert [qgemm.kernel_for(m) for m in (1, 16, 17, qgemm.DEQUANT_MIN_M - 1, qgemm.DEQUANT_MIN_M)] == \
+    top = dequant_gemv.GEMV_MAX_M
+    assert [qgemm.kernel_for(m) for m in (1, top, top + 1, qgemm.DEQUANT_MIN_M - 1, qgemm.DEQUANT_MIN_M)] == \
         ["gemv", "gemv", "gemm", "gemm", "dequant"]
     assert qgemm.kernel_for(1, torch.float32) == "dequant"
 

@@ -1,0 +1,100 @@
+"""The dequant-GEMV's K loop as the GPU would run it, measured without a GPU: compiles quantkit's Triton GEMV for
+sm_90 (H100/H200) with the ptxas bundled with triton, disassembles it (triton's nvdisasm) and counts the
+instructions of its main loop per weight each thread decodes, by kind.
+
+    python bench/gpu_sass.py [--arch 90] [--sms 132] [--clock-ghz 1.98] [--peak-gbs 4800]
+
+Instructions per weight is a static count, not a timing: it shows the arithmetic the kernel spends per weight (the
+int -> float conversions, shared-memory round trips, unpacking) before any GPU run. The "issue bound" converts it
+to the fastest a 14336 x 4096 layer (Llama-3-8B's gate/up) could run if every scheduler issued one instruction per
+clock (4 per SM, 32 lanes each) and nothing stalled; "memory / issue" is the time its packed weight and scales
+take at the HBM bandwidth over that bound (below 100%: the arithmetic, not the bytes, would set the speed). A
+ceiling, never a measurement.
+Run with TRITON_INTERPRET unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+
+from quantkit.kernels.triton import aot, dequant_gemv
+
+# (label, activation dtype, bits, group, sym, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps)
+CASES = (
+    ("M<=16 fp16 W4 g128 sym", "fp16", 4, 128, True, 16, 128, 128, 8, 4),
+    ("M<=16 bf16 W4 g128 sym", "bf16", 4, 128, True, 16, 128, 128, 8, 4),
+    ("M<=16 fp16 W4 g128 asym", "fp16", 4, 128, False, 16, 128, 128, 8, 4),
+    ("M<=16 fp16 W4 g64 sym", "fp16", 4, 64, True, 16, 128, 128, 8, 4),
+    ("M<=16 fp16 W8 g128 sym", "fp16", 8, 128, True, 16, 128, 128, 8, 4),
+    ("M=32 fp16 W4 g128 sym", "fp16", 4, 128, True, 32, 128, 128, 8, 4),
+)
+KINDS = ("I2F", "F2F", "F2FP", "FFMA", "FMUL", "FADD", "HADD2", "HFMA2", "HMUL2", "LOP3", "SHF", "SGXT", "PRMT",
+         "IMAD", "LEA", "HMMA", "LDG", "LDS", "LDSM", "STS", "BAR")
+INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\w]*\s*([^;]*);")
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+
+
+def compile_gemv(arch, dtype, bits, group, sym, block_m, block_n, block_k, split, warps):
+    consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=False, HAS_BIAS=False, FP32_DOT=False,
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split)
+    ptrs = dict(qw_ptr="i32", s_ptr="fp16", z_ptr="u8", perm_ptr="i32", x_ptr=dtype, bias_ptr=dtype, out_ptr=dtype,
+                ws_ptr="fp32", cnt_ptr="i32")
+    return aot.compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts, warps=warps)
+
+
+def disassemble(cubin: bytes) -> str:
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def main_loop(sass: str) -> collections.Counter:
+    """Opcodes of the longest backward branch's body (the K loop: the rest runs once per program)."""
+    ops, labels, loop = [], {}, (0, 0)
+    for line in sass.splitlines():
+        if m := LABEL.match(line):
+            labels[m[1]] = len(ops)
+        elif m := INSTRUCTION.search(line):
+            ops.append(m[1])
+            target = re.search(r"(\.L_x_\d+)", m[2]) if m[1] == "BRA" else None
+            start = labels.get(target[1], len(ops)) if target else len(ops)  # a backward branch: a label before it
+            if len(ops) - start > loop[1] - loop[0]:
+                loop = (start, len(ops))
+    return collections.Counter(ops[loop[0]:loop[1]])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--sms", type=int, default=132, help="SMs of the GPU the bound is for (H200: 132)")
+    ap.add_argument("--clock-ghz", type=float, default=1.98, help="its boost clock (H200: 1.98)")
+    ap.add_argument("--peak-gbs", type=float, default=4800.0, help="its HBM bandwidth (H200: 4800)")
+    args = ap.parse_args()
+    n, k = 14336, 4096
+    print("| case (BLOCK_N x BLOCK_K, warps) | instr / weight | issue bound, 14336x4096 | memory / issue | "
+          "main kinds per 128 weights |")
+    print("|---|---|---|---|---|")
+    for label, *case in CASES:
+        kernel = compile_gemv(args.arch, *case)
+        ops = main_loop(disassemble(kernel.asm["cubin"]))
+        bits, group, block_n, block_k, warps = case[1], case[2], case[5], case[6], case[8]
+        per_weight = sum(ops.values()) / (block_n * block_k / (32 * warps))
+        us = n * k * per_weight / (4 * 32 * args.sms * args.clock_ghz * 1e3)
+        memory_us = (n * k * bits / 8 + n * k // group * (2 if case[3] else 3)) / (args.peak_gbs * 1e3)
+        scale = 128 / (block_n * block_k / (32 * warps))
+        kinds = ", ".join(f"{kind} {ops[kind] * scale:.0f}" for kind in KINDS if ops[kind])
+        print(f"| {label} ({block_n}x{block_k}, {warps}) | {per_weight:.2f} | {us:.1f} us | {memory_us / us:.0%} | "
+              f"{kinds} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
