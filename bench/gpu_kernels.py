@@ -7,8 +7,11 @@
 Steps: (1) correctness of every path (GEMV, GEMM, dequantize+cuBLAS, attention) on the real shapes against torch
 references; (2) Llama-2-7B / Llama-3-8B Linear shapes x M in {1, 4, 16, 64, 256, 1024}: time of W4 and W8
 against torch fp16 F.linear, achieved GB/s and % of the memory-bandwidth roofline; (3) paged-attention decode
-GB/s at contexts 512..8192; (4) the M crossovers between the three qgemm paths, with the constants they imply for
-kernels/triton/qgemm.py; (5) the issue's performance goals, pass/fail. Prints markdown; writes JSON (--out).
+GB/s at contexts 512..8192; (3b) the decode split sweep: at batch 1 and 8, contexts 2048 and 8192, every split
+count of SPLIT_CANDIDATES and the default, the fastest per row (for kernels/triton/paged_attention.py's
+PROGRAMS_PER_SM and MIN_TILES_PER_SPLIT); (4) the M crossovers between the three qgemm paths, with the constants
+they imply for kernels/triton/qgemm.py; (5) the issue's performance goals, pass/fail. Prints markdown; writes JSON
+(--out).
 
 Timing: triton.testing.do_bench_cudagraph (no launch overhead), median. Every timed call reads a different copy of
 its weights / KV blocks, cycling through enough copies to cover twice the GPU's L2, so no figure is an L2 hit
@@ -30,6 +33,8 @@ from pathlib import Path
 M_VALUES = (1, 4, 16, 64, 256, 1024)
 CONTEXTS = (512, 1024, 2048, 4096, 8192)
 ATTN_BATCHES = (1, 8, 32)
+SPLIT_BATCHES, SPLIT_CONTEXTS = (1, 8), (2048, 8192)  # the decode split sweep's rows
+SPLIT_CANDIDATES = (8, 16, 32, 64, 128)  # split counts it times at every row, with the default
 CROSSOVER_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # (model, layer) -> (N, K) = (out_features, in_features)
 LINEAR_SHAPES = {
@@ -49,7 +54,9 @@ PEAK_GBS = (
     (("H200",), 4800.0), (("H100", "PCIe"), 2000.0), (("H100",), 3350.0),
     (("A100", "80GB", "PCIe"), 1935.0), (("A100", "80GB"), 2039.0), (("A100",), 1555.0),
 )
-GOAL_W4_SPEEDUP, GOAL_W8_SPEEDUP, GOAL_ATTN_FRACTION = 3.0, 1.8, 0.70
+# issue 19: W4 >= 2.5x fp16 and >= 70% of the bandwidth at M <= 16; batch-1 attention at 8192 >= 60%
+GOAL_W4_SPEEDUP, GOAL_W4_FRACTION, GOAL_W8_SPEEDUP = 2.5, 0.70, 1.8
+GOAL_ATTN_FRACTION, GOAL_ATTN_BATCH1_FRACTION = 0.70, 0.60
 
 
 def variants(quick: bool) -> list:
@@ -227,22 +234,59 @@ def progress(row: dict) -> None:
           flush=True)
 
 
-def bench_attention(b: Bench, batches, contexts, heads) -> list[dict]:
+def decode_inputs(b: Bench, batch, context, heads):
+    """(caches, q, bytes a decode moves): enough paged caches to cycle past L2 (make_cache) and the query; the
+    bytes are K and V (2 bytes each) and q + out."""
     import torch
 
+    hq, hkv, d = heads
+    cache_bytes = 2 * batch * context * hkv * d * 2
+    caches = make_cache(b, batch, context, hkv, d, b.copies(cache_bytes))
+    q = torch.randn(batch, hq, d, generator=b.gen).to(b.device, b.dtype)
+    return caches, q, cache_bytes + 2 * 2 * batch * hq * d
+
+
+def time_decode(b: Bench, caches, q, num_splits=None) -> float:
+    """Median us of paged_attention_decode over the caches (num_splits None: the launcher's default)."""
     from quantkit.kernels.triton import paged_attention
 
-    hq, hkv, d = heads
+    return b.time_us([lambda c=c: paged_attention.paged_attention_decode(
+        q, c["k"], c["v"], c["block_tables"], c["seq_lens"], num_splits=num_splits) for c in caches])
+
+
+def bench_attention(b: Bench, batches, contexts, heads) -> list[dict]:
     rows = []
     for batch in batches:
         for context in contexts:
-            cache_bytes = 2 * batch * context * hkv * d * 2  # K and V, 2 bytes each
-            caches = make_cache(b, batch, context, hkv, d, b.copies(cache_bytes))
-            q = torch.randn(batch, hq, d, generator=b.gen).to(b.device, b.dtype)
-            us = b.time_us([lambda c=c: paged_attention.paged_attention_decode(
-                q, c["k"], c["v"], c["block_tables"], c["seq_lens"]) for c in caches])
-            gbs, frac = b.roofline(cache_bytes + 2 * 2 * batch * hq * d, us)
+            caches, q, nbytes = decode_inputs(b, batch, context, heads)
+            us = time_decode(b, caches, q)
+            gbs, frac = b.roofline(nbytes, us)
             rows.append({"batch": batch, "context": context, "us": us, "gbs": gbs, "peak_frac": frac})
+            progress(rows[-1])
+            del caches
+    return rows
+
+
+def sweep_decode_splits(b: Bench, batches, contexts, candidates, heads) -> list[dict]:
+    """Per (batch, context): paged_attention_decode at each split count of `candidates` and the default, as the
+    launcher rounds them (decode_splits: whole tiles, none past the block table; equal counts timed once); the
+    fastest, with GB/s and % of peak, and the default's time."""
+    from quantkit.kernels.triton import paged_attention
+
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            caches, q, nbytes = decode_inputs(b, batch, context, heads)
+            plan = lambda n: paged_attention.decode_splits(  # noqa: E731
+                batch, heads[1], caches[0]["block_tables"].shape[1] * BLOCK_SIZE, paged_attention.DECODE_BLOCK_N,
+                b.device, n)[0]
+            default = plan(None)
+            times = {n: time_decode(b, caches, q, n) for n in sorted({plan(n) for n in candidates} | {default})}
+            best = min(times, key=times.get)
+            gbs, frac = b.roofline(nbytes, times[best])
+            rows.append({"batch": batch, "context": context, "default_splits": default, "default_us": times[default],
+                         "default_peak_frac": b.roofline(nbytes, times[default])[1], "best_splits": best,
+                         "best_us": times[best], "gbs": gbs, "peak_frac": frac, "times_us": times})
             progress(rows[-1])
             del caches
     return rows
@@ -291,6 +335,10 @@ def goals(checks, linear, attention) -> list[dict]:
         if small:
             out.append({"goal": f"{scheme} >= {target}x fp16 at M <= 16 on >= 4096x4096",
                         "worst": min(small), "pass": min(small) >= target})
+    fracs = [r["peak_frac"] for r in big if r["scheme"] == "w4g128" and r["M"] <= 16 and r["peak_frac"] is not None]
+    if fracs:
+        out.append({"goal": f"w4g128 >= {GOAL_W4_FRACTION:.0%} of bandwidth at M <= 16 on >= 4096x4096",
+                    "worst": min(fracs), "pass": min(fracs) >= GOAL_W4_FRACTION})
     large = [r["speedup"] for r in linear if r["M"] >= 1024]
     if large:
         out.append({"goal": "never slower than fp16 at M >= 1024", "worst": min(large), "pass": min(large) >= 1.0})
@@ -298,6 +346,11 @@ def goals(checks, linear, attention) -> list[dict]:
     if fracs:
         out.append({"goal": f"attention decode >= {GOAL_ATTN_FRACTION:.0%} of bandwidth (contexts >= 2048)",
                     "worst": min(fracs), "pass": min(fracs) >= GOAL_ATTN_FRACTION})
+    batch1 = [r["peak_frac"] for r in attention
+              if r["peak_frac"] is not None and r["batch"] == 1 and r["context"] >= 8192]
+    if batch1:
+        out.append({"goal": f"batch-1 attention decode >= {GOAL_ATTN_BATCH1_FRACTION:.0%} of bandwidth at 8192",
+                    "worst": min(batch1), "pass": min(batch1) >= GOAL_ATTN_BATCH1_FRACTION})
     return out
 
 
@@ -319,6 +372,14 @@ def markdown(result) -> str:
               "| batch | context | us | GB/s | % peak |", "|---|---|---|---|---|"]
     for r in result["attention"]:
         lines.append(f"| {r['batch']} | {r['context']} | {r['us']:.1f} | {r['gbs']:.0f} | {pct(r['peak_frac'])} |")
+    lines += ["", "### Decode split sweep (the fastest split count per row; default: decode_splits)", "",
+              "| batch | context | default splits | default us | default % peak | best splits | best us | GB/s | "
+              "% peak | us by splits |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["attention_splits"]:
+        by_splits = ", ".join(f"{n}: {us:.1f}" for n, us in r["times_us"].items())
+        lines.append(f"| {r['batch']} | {r['context']} | {r['default_splits']} | {r['default_us']:.1f} | "
+                     f"{pct(r['default_peak_frac'])} | {r['best_splits']} | {r['best_us']:.1f} | {r['gbs']:.0f} | "
+                     f"{pct(r['peak_frac'])} | {by_splits} |")
     cross = result["crossover"]
     lines += ["", f"### qgemm crossovers ({cross['scheme']})", "",
               "| shape | GEMV wins up to M | dequant+cuBLAS wins from M |", "|---|---|---|"]
@@ -358,6 +419,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         shapes = {(96, 64): "tiny-a", (48, 128): "tiny-b"}
         ms, cross_ms, batches, contexts, heads = (1, 4, 17), (1, 4, 16, 17, 32), (2,), (20, 40), (4, 2, 32)
+        split_rows, split_candidates = ((1, 2), (300,)), (2, 3, 8)  # 5 tiles of 64 tokens: 2, 3 and 5 splits
         cross_shapes, check_ms = ((96, 64),), (1, 17)
         schemes = {q.name(): q for q in (dataclasses.replace(q, group_size=32) for q in schemes.values())}
     else:
@@ -369,6 +431,7 @@ def main(argv=None) -> int:
         ms = (1, 16, 1024) if args.quick else M_VALUES
         cross_ms = (1, 4, 16, 64, 256, 1024, 4096) if args.quick else CROSSOVER_M
         batches, contexts, heads = ATTN_BATCHES, CONTEXTS, ATTN_HEADS
+        split_rows, split_candidates = (SPLIT_BATCHES, SPLIT_CONTEXTS), SPLIT_CANDIDATES  # --quick too: ~24 timings
         cross_shapes = ((4096, 4096),) if args.quick else CROSSOVER_SHAPES
         from quantkit.kernels.triton.qgemm import DEQUANT_MIN_M
 
@@ -382,9 +445,11 @@ def main(argv=None) -> int:
     print(f"correctness: {len(checks)} checks, {failures} failed (timed all the same)", file=sys.stderr)
     linear = bench_linear(b, shapes, ms, schemes)
     attention = bench_attention(b, batches, contexts, heads)
+    attention_splits = sweep_decode_splits(b, *split_rows, split_candidates, heads)
     crossover = bench_crossover(b, cross_shapes, cross_ms, next(iter(schemes.values())))
     result = {"device": b.name, "dtype": args.dtype, "peak_gbs": b.peak_gbs, "dry_run": args.dry_run,
               "correctness": checks, "linear": linear, "attention": attention, "attention_heads": heads,
+              "attention_splits": attention_splits,
               "crossover": crossover,
               "goals": goals(checks, linear, attention)}
     print(markdown(result))

@@ -231,14 +231,18 @@ class TorchPagedAttention:
 class TritonPagedAttention:
     """CUDA: the Triton kernels of quantkit.kernels (imported lazily; fp16/bf16 caches)."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], specs):
-        """specs: per layer AttentionSpec (model.attention_specs) or one scale for every layer."""
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], specs, max_num_seqs: int,
+                 num_q_heads: int):
+        """specs: per layer AttentionSpec (model.attention_specs) or one scale for every layer. max_num_seqs and
+        num_q_heads size the decode kernel's split workspace, reserved here: outside any CUDA-graph capture."""
         from quantkit.kernels.triton.kv_store import kv_store
-        from quantkit.kernels.triton.paged_attention import paged_attention_decode
+        from quantkit.kernels.triton.paged_attention import paged_attention_decode, reserve_decode_workspace
         from quantkit.kernels.triton.paged_prefill import paged_attention_prefill
 
         self.kv_store, self.decode, self.prefill = kv_store, paged_attention_decode, paged_attention_prefill
         self.kv_caches = kv_caches
+        k_cache = kv_caches[0][0]  # [num_blocks, block_size, Hkv, D], every layer alike
+        reserve_decode_workspace(k_cache.device, max_num_seqs, num_q_heads, k_cache.shape[2], k_cache.shape[3])
         # per layer the kernels' keyword arguments: scale, window and soft-cap (0 = none)
         self.layer_args = [dict(scale=spec.scale, window=spec.sliding_window or 0, softcap=spec.logit_softcap or 0.0)
                            for spec in layer_specs(specs, len(kv_caches))]

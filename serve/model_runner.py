@@ -163,7 +163,7 @@ class ModelRunner:
         """The backend honours every layer's AttentionSpec (model.attention_specs: scale, window, soft-cap)."""
         specs = self.model.attention_specs
         if self._backend_kind() == "triton":
-            return TritonPagedAttention(kv_caches, specs)
+            return TritonPagedAttention(kv_caches, specs, self.cfg.max_num_seqs, self.model.config.num_attention_heads)
         native = self.cfg.attention_backend == "auto" and self.device.type == "cpu"
         return TorchPagedAttention(kv_caches, specs, load_decode_kernel() if native else None, self.fused_ops,
                                    load_prefill_kernel() if native else None,

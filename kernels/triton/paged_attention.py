@@ -5,14 +5,18 @@ optional sliding window and logit soft-cap (a layer's AttentionSpec, quantkit/mo
 Cache layout (docs/CONTRACTS.md): token t of sequence s lives in block block_tables[s, t // block_size] at row
 t % block_size; seq_lens[s] tokens are valid (the new token's K/V are already stored, kv_store.py).
 
-Flash-decoding in two launches:
-  1. grid (S, Hkv, num_splits): program (s, kvh, split) takes the query heads of kv head kvh (the GQA group,
-     padded to 16 rows for tl.dot) and the tokens [split*partition, +partition) of sequence s; it streams K/V
-     tiles of BLOCK_N tokens gathered through the block table (one cache block or several per tile) with an
-     online softmax in fp32 (exp2 domain) and writes its normalised partial output and log-sum-exp.
-  2. grid (S, Hq): merges the partials of the splits that hold tokens (weights 2^(lse - max lse)).
-With one split, launch 1 writes `out` directly and launch 2 is skipped. The grid depends only on tensor shapes
-(block_tables.shape[1] bounds the context), never on seq_lens' values: no host sync, CUDA-graph safe.
+Flash-decoding in ONE launch, grid (S, Hkv, num_splits): program (s, kvh, split) takes the query heads of kv head
+kvh (the GQA group, padded to 16 rows for tl.dot) and the tokens [split*partition, +partition) of sequence s; it
+streams K/V tiles of BLOCK_N tokens gathered through the block table (one cache block or several per tile) with an
+online softmax in fp32 (exp2 domain). With one split it writes `out` directly. With several, it stores its
+normalised partial output and log-sum-exp in its own slice of a per-device fp32 workspace (plain stores: no float
+atomics, dequant_gemv.py's docstring says why), then bumps the arrival counter of (s, kvh) (acq_rel); the program
+that arrives last merges the group's splits that hold visible tokens (weights 2^(lse - max lse)), writes `out` and
+puts the counter back to zero. Invariant between launches: every counter is zero (common.SplitWorkspaces).
+Splits (decode_splits): enough that S * Hkv * splits fills the GPU PROGRAMS_PER_SM times over, each at least
+MIN_TILES_PER_SPLIT tiles long (a program of one or two tiles is all latency: its pipeline never fills). The grid
+depends only on tensor shapes (block_tables.shape[1] bounds the context), never on seq_lens' values: no host sync,
+CUDA-graph safe; the workspace is reserved at load time, outside capture (reserve_decode_workspace).
 
 Window w (0 = none): the query at position p = seq_len - 1 sees keys (p - w, p], so every program starts at
 max(split start, seq_len - w): tiles behind the window are never loaded, and neither are their block-table entries
@@ -29,11 +33,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import fp32_dot, mma
+from .common import SplitWorkspaces, fp32_dot, mma
 
 LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64  # tokens per K/V tile on a GPU (a 64 x 128 fp16 tile is 16 KiB)
-PROGRAMS_PER_SM = 4  # split the context until S * Hkv * splits fills the GPU this many times over
+MIN_TILES_PER_SPLIT = 4  # a split streams at least this many K/V tiles (when the context has them)
+PROGRAMS_PER_SM = 2  # split the context until S * Hkv * splits fills the GPU this many times over (2 fit an SM)
+# Software-pipeline depth of the split kernel's loop. Compiled for sm_90 (Triton
+# 3.9; head_dim 128 fp16, BLOCK_N 64, 8 warps): num_stages 2 buffers one K and one V tile in shared memory
+# (2 x 64 x 128 x 2 B = 32 KiB) and loads each tile's block-table slice in the loop; 3 also prefetches the next
+# slice (the K/V addresses depend on it): 38 KiB of shared memory either way; 5 would double-buffer K and V
+# (70.5 KiB). All far below the 227 KiB one block may use, and two programs (PROGRAMS_PER_SM) fit one 228 KiB SM.
+DECODE_STAGES = 3
+# fp32 partials the merging program loads at once: 16 a thread at 8 warps keeps the kernel at ~100 registers on
+# sm_90 (8192: 116 to 128), under the 128 that let two 8-warp programs share an SM
+MERGE_TILE = 4096
 
 
 @triton.jit
@@ -82,31 +96,89 @@ def softmax_step(scores, m_i, l_i, acc, v, FP32_DOT: tl.constexpr, EMPTY_ROWS: t
 
 
 @triton.jit
-def _decode_split_kernel(
+def visible_start(seq_len, window, WINDOWED: tl.constexpr):
+    """The first key the query at position seq_len - 1 sees: max(0, seq_len - window) with a window, else 0."""
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
+    return first
+
+
+@triton.jit
+def attend(q, k_ptr, v_ptr, bt_row_ptr, t_begin, t_end, offs_d, mask_d, kv_head, block_size, stride_kb, stride_ks,
+           qk_scale, cap_log2, SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The query rows q [BH, BD] over tokens [t_begin, t_end) of one sequence (kv_tile's arguments), an online
+    softmax tile by tile -> (max m_i [BH], sum l_i [BH], unnormalised output acc [BH, BD]), fp32, log2 units;
+    an empty range leaves m_i = -inf and l_i = 0."""
+    m_i = tl.full((q.shape[0],), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((q.shape[0],), dtype=tl.float32)
+    acc = tl.zeros((q.shape[0], q.shape[1]), dtype=tl.float32)
+    for t0 in range(t_begin, t_end, BLOCK_N):
+        _, scores, v = kv_tile(q, k_ptr, v_ptr, bt_row_ptr, t0, t_end, offs_d, mask_d, kv_head, block_size,
+                               stride_kb, stride_ks, qk_scale, cap_log2, SOFTCAP, FP32_DOT,
+                               BLOCK_N)  # [BH, BN], [BN, BD]
+        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, FP32_DOT, False)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def merge_splits(part_out_ptr, part_lse_ptr, row0, mask_g, used, offs_d, mask_d,
+                 HEAD_DIM: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """The output [BG, BD] fp32 of the query heads whose partials start at workspace rows row0 [BG] (split p at
+    row row0 + p: out at row * HEAD_DIM + d, lse at row), mask_g their real rows. Splits [0, used) hold the
+    visible tokens (the others stored nothing); merged with weights 2^(lse - max lse), MERGE_SPLITS at a time
+    with a running max, finite from the first chunk on (it starts at a split with tokens). Loads bypass L1 (.cg):
+    the other programs' partials are in L2."""
+    m = tl.full((row0.shape[0],), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((row0.shape[0],), dtype=tl.float32)
+    acc = tl.zeros((row0.shape[0], offs_d.shape[0]), dtype=tl.float32)
+    for p0 in range(0, used, MERGE_SPLITS):
+        splits = p0 + tl.arange(0, MERGE_SPLITS)  # [BP]
+        mask_gp = mask_g[:, None] & (splits < used)[None, :]  # [BG, BP]
+        rows = row0[:, None] + splits[None, :]  # [BG, BP]
+        lse = tl.load(part_lse_ptr + rows, mask=mask_gp, other=float("-inf"), cache_modifier=".cg")
+        lse = tl.where(mask_g[:, None], lse, 0.0)  # padding rows: finite, their (masked) output 0
+        part = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],  # [BG, BP, BD]
+                       mask=mask_gp[:, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, axis=1))  # [BG]
+        alpha = tl.exp2(m - m_new)  # 0 on the first chunk
+        weight = tl.exp2(lse - m_new[:, None])  # [BG, BP], 0 for masked splits
+        acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * part, axis=1)
+        total = total * alpha + tl.sum(weight, axis=1)
+        m = m_new
+    return acc / total[:, None]
+
+
+@triton.jit
+def _decode_kernel(
     q_ptr,  # [S, Hq, D]
     k_ptr, v_ptr,  # [num_blocks, block_size, Hkv, D], head_dim stride 1
     bt_ptr,  # int32 [S, max_blocks]
     lens_ptr,  # int32 [S]
-    out_ptr,  # [S, Hq, D] (NUM_SPLITS == 1)
-    part_out_ptr,  # fp32 [S, Hq, NUM_SPLITS, D] (NUM_SPLITS > 1)
-    part_lse_ptr,  # fp32 [S, Hq, NUM_SPLITS] (NUM_SPLITS > 1), log2 units
+    out_ptr,  # [S, Hq, D]
+    part_out_ptr,  # fp32 [S, Hq, NUM_SPLITS, D] (NUM_SPLITS > 1; workspace)
+    part_lse_ptr,  # fp32 [S, Hq, NUM_SPLITS] (NUM_SPLITS > 1; workspace), log2 units
+    cnt_ptr,  # int32 [S, Hkv] arrival counters (NUM_SPLITS > 1), all zero on entry and on exit
     qk_scale, cap_log2,  # softmax scale * log2(e), or with SOFTCAP scale / cap and cap * log2(e) (kv_tile)
     window,  # keys the query sees, itself included (WINDOWED)
-    block_size, partition,  # partition: tokens per split, a multiple of BLOCK_N
+    block_size, min_partition,  # the fewest tokens a split takes (a multiple of BLOCK_N)
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
     WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr, MERGE_SPLITS: tl.constexpr,  # the merge's tile [BLOCK_G heads, MERGE_SPLITS, BLOCK_D]
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + s)
-    t_begin = split * partition
-    t_end = tl.minimum(t_begin + partition, seq_len)  # empty range for splits past the context
-    if WINDOWED:  # the first visible key: splits wholly behind the window get an empty range
-        t_begin = tl.maximum(t_begin, seq_len - window)
+    # the visible keys [first, seq_len) in NUM_SPLITS partitions of whole tiles, none under min_partition: sized by
+    # this sequence's length, not the block table's width (the engine's tables span max_model_len)
+    first = visible_start(seq_len, window, WINDOWED)
+    partition = tl.maximum(tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N, min_partition)
+    t_begin = first + split * partition
+    t_end = tl.minimum(t_begin + partition, seq_len)  # empty range for splits past the visible keys
 
     offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)  # [BH] query heads of this kv head (rows >= GROUP are padding)
     mask_h = tl.arange(0, BLOCK_H) < GROUP
@@ -115,52 +187,34 @@ def _decode_split_kernel(
     # q (s, h, d) at q_ptr + s * stride_qs + h * stride_qh + d
     q = tl.load(q_ptr + s * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BH, BD]
-
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    kv_head = kvh.to(tl.int64) * stride_kh
-    for t0 in range(t_begin, t_end, BLOCK_N):
-        _, scores, v = kv_tile(q, k_ptr, v_ptr, bt_ptr + s * stride_bt, t0, t_end, offs_d, mask_d, kv_head,
-                               block_size, stride_kb, stride_ks, qk_scale, cap_log2, SOFTCAP, FP32_DOT,
-                               BLOCK_N)  # [BH, BN], [BN, BD]
-        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, FP32_DOT, False)
+    m_i, l_i, acc = attend(q, k_ptr, v_ptr, bt_ptr + s * stride_bt, t_begin, t_end, offs_d, mask_d,
+                           kvh.to(tl.int64) * stride_kh, block_size, stride_kb, stride_ks, qk_scale, cap_log2,
+                           SOFTCAP, FP32_DOT, BLOCK_N)
 
     if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]
         tl.store(out_ptr + s * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
     else:
-        # partials (s, h, split, d) at ((s * Hq + h) * NUM_SPLITS + split) * HEAD_DIM + d; an empty split (past
-        # the context, or behind the window) writes zeros and lse -inf, which the merge skips or weighs 0
-        row = (s * tl.num_programs(1) * GROUP + offs_h) * NUM_SPLITS + split  # [BH]
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
-                 mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=mask_h)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr,  # fp32 [S, Hq, NUM_SPLITS, D], [S, Hq, NUM_SPLITS]
-    lens_ptr, out_ptr,  # int32 [S]; [S, Hq, D]
-    partition, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    used = tl.cdiv(tl.load(lens_ptr + s), partition)  # splits holding tokens
-    offs_p = tl.arange(0, BLOCK_SPLITS)
-    mask_p = offs_p < used
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    row = (s * tl.num_programs(1) + h) * NUM_SPLITS + offs_p  # [BP]
-    lse = tl.load(part_lse_ptr + row, mask=mask_p, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, axis=0))  # [BP], 0 for unused splits
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_p[:, None] & mask_d[None, :],
-                   other=0.0)  # [BP, BD]
-    out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight, axis=0)
-    tl.store(out_ptr + s * stride_os + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+        # partials (s, h, split, d) at ((s * Hq + h) * NUM_SPLITS + split) * HEAD_DIM + d, lse at the row
+        hq = tl.num_programs(1) * GROUP
+        if t_begin < t_end:  # an empty split (past the context, or behind the window) stores nothing: unread
+            row = (s * hq + offs_h) * NUM_SPLITS + split  # [BH]
+            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None],
+                     mask=mask_h[:, None] & mask_d[None, :])
+            tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
+        tl.debug_barrier()  # every thread's partial is stored before the counter is bumped (release below)
+        counter = cnt_ptr + s * tl.num_programs(1) + kvh
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:  # the last split of (s, kvh) to finish merges the group's splits
+            offs_g = tl.arange(0, BLOCK_G)
+            mask_g = offs_g < GROUP
+            heads = kvh * GROUP + offs_g  # [BG]
+            out = merge_splits(part_out_ptr, part_lse_ptr, (s * hq + heads) * NUM_SPLITS, mask_g,
+                               tl.cdiv(seq_len - first, partition), offs_d, mask_d, HEAD_DIM,
+                               MERGE_SPLITS)  # [BG, BD]
+            tl.store(out_ptr + s * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+            tl.atomic_xchg(counter, 0)
 
 
 def attention_warps(block_d: int) -> int:
@@ -189,13 +243,62 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_n: int, device) -> int:
-    """Splits per sequence so S * Hkv * splits is about PROGRAMS_PER_SM x the SM count (1 in the interpreter)."""
+def _splits_to_fill(num_seqs: int, num_kv_heads: int, device) -> int:
+    """Splits per sequence so S * Hkv * splits is about PROGRAMS_PER_SM x the SM count (1 off CUDA: the
+    interpreter); an upper bound of decode_splits' default."""
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, num_seqs * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max_tokens, block_n)))
+    return triton.cdiv(PROGRAMS_PER_SM * sms, num_seqs * num_kv_heads)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, block_n: int, device,
+                  num_splits: int | None = None) -> tuple[int, int]:
+    """(splits, min_partition) of a launch over block tables of max_tokens tokens. Splits: `num_splits`, by default
+    _splits_to_fill but no more than leave each split MIN_TILES_PER_SPLIT tiles of block_n tokens, and never more
+    than the table has tiles. The kernel cuts each sequence's visible keys into that many partitions of whole tiles,
+    none shorter than min_partition tokens (MIN_TILES_PER_SPLIT tiles by default; one tile for an explicit count)."""
+    tiles = triton.cdiv(max_tokens, block_n)
+    if num_splits is None:
+        fill = _splits_to_fill(num_seqs, num_kv_heads, device)
+        return max(1, min(fill, tiles // MIN_TILES_PER_SPLIT)), MIN_TILES_PER_SPLIT * block_n
+    return max(1, min(num_splits, tiles)), block_n
+
+
+def decode_workspace_size(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          num_splits: int) -> tuple[int, int]:
+    """(fp32 elements, int32 counters) one launch uses: partial outputs [S, Hq, splits, D], then their log-sum-exps
+    [S, Hq, splits]; a counter per (sequence, kv head). (0, 0) with one split."""
+    if num_splits == 1:
+        return 0, 0
+    return num_seqs * num_q_heads * num_splits * (head_dim + 1), num_seqs * num_kv_heads
+
+
+DECODE_WORKSPACES = SplitWorkspaces()
+
+
+def reserve_decode_workspace(device, max_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Grow `device`'s decode workspace to fit every launch of up to max_seqs sequences at the default split count,
+    whatever the context (_splits_to_fill bounds it). Call at load time, outside CUDA-graph capture;
+    paged_attention_decode grows it as well (direct calls, explicit num_splits), which must not happen in capture."""
+    device = torch.device(device)
+    sizes = [decode_workspace_size(s, num_q_heads, num_kv_heads, head_dim, _splits_to_fill(s, num_kv_heads, device))
+             for s in range(1, max_seqs + 1)]
+    DECODE_WORKSPACES.reserve(device, max(f for f, _ in sizes), max(c for _, c in sizes))
+
+
+def _split_buffers(device, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, num_splits: int):
+    """One launch's views of the device's workspace (grown if needed): partial outputs, log-sum-exps (fp32, flat;
+    layout in decode_workspace_size) and counters (int32 [S * Hkv])."""
+    floats, counters = decode_workspace_size(num_seqs, num_q_heads, num_kv_heads, head_dim, num_splits)
+    ws, cnt = DECODE_WORKSPACES.reserve(device, floats, counters)
+    partials = num_seqs * num_q_heads * num_splits * head_dim
+    return ws[:partials], ws[partials:floats], cnt[:counters]
+
+
+def merge_step(num_splits: int, block_g: int, block_d: int) -> int:
+    """Splits the merging program loads at once: a [block_g heads, splits, block_d] fp32 tile of <= MERGE_TILE."""
+    return min(triton.next_power_of_2(num_splits), max(1, MERGE_TILE // (block_g * block_d)))
 
 
 def softcap_scales(scale: float, softcap: float) -> tuple[float, float]:
@@ -213,7 +316,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Attends over tokens [max(0, seq_lens[s] - window), seq_lens[s]) of each sequence (seq_lens >= 1, K/V already
     in the cache; window 0: from token 0), scores soft-capped at `softcap` (0: none).
-    scale defaults to 1/sqrt(D); num_splits (context partitions) defaults to filling the GPU.
+    scale defaults to 1/sqrt(D); num_splits (context partitions) defaults to decode_splits' choice.
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     assert window >= 0, f"window {window}: 0 (none) or the keys a query sees"
@@ -222,34 +325,24 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.shape[0] == block_tables.shape[0], "one query token per sequence"
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    max_tokens = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = _num_splits(num_seqs, hkv, max_tokens, block_n, q.device)
-    partition = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_tokens, partition)
+    num_splits, min_partition = decode_splits(num_seqs, hkv, block_tables.shape[1] * block_size, block_n, q.device,
+                                              num_splits)
     out = torch.empty_like(q)
-    if num_splits > 1:
-        part_out = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out
+    splits = (out, out, out) if num_splits == 1 else _split_buffers(q.device, num_seqs, hq, hkv, d, num_splits)
     block_d = triton.next_power_of_2(d)
+    block_g = triton.next_power_of_2(group)
     qk_scale, cap_log2 = softcap_scales(scale, softcap)
-    _decode_split_kernel[(num_seqs, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        qk_scale, cap_log2, window, block_size, partition,
+    _decode_kernel[(num_seqs, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, *splits,
+        qk_scale, cap_log2, window, block_size, min_partition,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, NUM_SPLITS=num_splits, FP32_DOT=fp32_dot(q.dtype),
         WINDOWED=window > 0, SOFTCAP=softcap > 0,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        num_warps=attention_warps(block_d), num_stages=2,
+        BLOCK_G=block_g, MERGE_SPLITS=merge_step(num_splits, block_g, block_d),
+        num_warps=attention_warps(block_d), num_stages=DECODE_STAGES,
     )
-    if num_splits > 1:
-        _decode_merge_kernel[(num_seqs, hq)](
-            part_out, part_lse, seq_lens, out, partition, out.stride(0), out.stride(1),
-            HEAD_DIM=d, NUM_SPLITS=num_splits, BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-        )
     return out
 
 

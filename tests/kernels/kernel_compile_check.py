@@ -53,14 +53,15 @@ def dequant_gemm_kernels(arch: int) -> None:
 
 def attention_and_layer_kernels(arch: int) -> None:
     cache = act_ptrs("bf16", "q_ptr", "k_ptr", "v_ptr", "out_ptr")
-    for splits, group in [(1, 4), (8, 8)]:
-        compile_for(arch, paged_attention._decode_split_kernel,
-                    {**cache, "bt_ptr": "i32", "lens_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32"},
-                    dict(GROUP=group, HEAD_DIM=128, NUM_SPLITS=splits, FP32_DOT=False, BLOCK_H=16, BLOCK_D=128,
-                         BLOCK_N=64), floats=("qk_scale",), wide=("stride_kb",), warps=8, stages=2)
-    compile_for(arch, paged_attention._decode_merge_kernel,
-                dict(part_out_ptr="fp32", part_lse_ptr="fp32", lens_ptr="i32", out_ptr="bf16"),
-                dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_SPLITS=8, BLOCK_D=128))
+    # one split (writes out); 8 splits with window and soft-cap (the last arrival merges); 32 splits
+    for splits, group, masks in [(1, 4, False), (8, 8, True), (32, 4, False)]:
+        compile_for(arch, paged_attention._decode_kernel,
+                    {**cache, "bt_ptr": "i32", "lens_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
+                     "cnt_ptr": "i32"},
+                    dict(GROUP=group, HEAD_DIM=128, NUM_SPLITS=splits, FP32_DOT=False, WINDOWED=masks, SOFTCAP=masks,
+                         BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, BLOCK_G=group,
+                         MERGE_SPLITS=paged_attention.merge_step(splits, group, 128)),
+                    floats=("qk_scale", "cap_log2"), wide=("stride_kb",), warps=8, stages=paged_attention.DECODE_STAGES)
     compile_for(arch, paged_prefill._prefill_kernel, {**cache, "bt_ptr": "i32", "qsl_ptr": "i32", "lens_ptr": "i32"},
                 dict(GROUP=4, HEAD_DIM=128, FP32_DOT=False, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64),
                 floats=("qk_scale",), wide=("stride_kb",), warps=8, stages=2)

@@ -65,6 +65,19 @@ def sdpa(q, k, v, first_pos):
     return F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=visible).transpose(0, 1)
 
 
+# splits per decode launch: direct write; two, three (some of a short sequence's splits empty); more than the
+# block table has tiles (the launcher keeps one split per tile: most splits of a short sequence are empty)
+DECODE_SPLITS = (1, 2, 3, 8)
+
+
+def decode_checked(*args, **kwargs) -> torch.Tensor:
+    """paged_attention_decode, then its invariant: every arrival counter of the device is back to zero."""
+    out = paged_attention.paged_attention_decode(*args, **kwargs)
+    _, counters = paged_attention.DECODE_WORKSPACES.reserve(out.device, 0, 0)
+    assert not counters.any(), f"arrival counters left at {counters.nonzero().flatten().tolist()}"
+    return out
+
+
 def test_kv_store_matches_reference_with_padding_and_strides():
     gen = torch.Generator().manual_seed(1)
     cache = PagedCache([5, 17], num_kv_heads=3, head_dim=40, dtype=torch.float16)
@@ -98,9 +111,56 @@ def test_decode_matches_reference(case, dtype):
     for s, n in enumerate(lens):  # the reference is plain attention over the unpaged K/V
         torch.testing.assert_close(ref[s].float(), sdpa(q[s:s + 1], cache.keys[s], cache.values[s], n - 1)[0],
                                    **TOL[dtype])
-    for num_splits in (1, 3):  # direct write, and flash-decoding partials + merge (some splits empty)
-        out = paged_attention.paged_attention_decode(*args, num_splits=num_splits, block_n=16)
-        torch.testing.assert_close(out, ref, **TOL[dtype])
+    for num_splits in DECODE_SPLITS:
+        out = decode_checked(*args, num_splits=num_splits, block_n=16)
+        torch.testing.assert_close(out, ref, **TOL[dtype], msg=lambda m: f"{num_splits} splits: {m}")
+
+
+def test_default_split_count_fills_the_gpu_with_long_splits(monkeypatch):
+    """decode_splits: enough splits to fill the GPU, but none shorter than MIN_TILES_PER_SPLIT tiles; an explicit
+    count keeps at most one split per tile. (_splits_to_fill stands in for an SM count: off CUDA it is 1.)"""
+    monkeypatch.setattr(paged_attention, "_splits_to_fill", lambda num_seqs, num_kv_heads, device: 33)
+    tiles = paged_attention.MIN_TILES_PER_SPLIT
+    splits = lambda tokens, n=None: paged_attention.decode_splits(1, 8, tokens, 64, DEVICE, n)  # noqa: E731
+    assert splits(8192) == (8192 // (64 * tiles), 64 * tiles)  # the tile floor binds
+    assert splits(64 * 160) == (33, 64 * tiles)  # the fill binds
+    assert splits(64 * tiles - 1) == (1, 64 * tiles)  # a short table: one split
+    assert splits(80, 8) == (2, 64)  # explicit: 8 splits asked, 2 tiles
+
+
+def test_splits_follow_the_sequence_not_the_table():
+    """Partitions are cut from each sequence's visible keys, not from the block table's width: a short sequence in
+    a wide table (the engine's span max_model_len), with and without a window, merged from the splits it uses."""
+    hq, hkv, d = 4, 2, 32
+    cache = PagedCache([3 * BS + 1, 9 * BS + 7], hkv, d, torch.float16, seed=41)
+    wide = torch.zeros((2, 4 * cache.block_tables.shape[1]), dtype=torch.int32, device=DEVICE)
+    wide[:, :cache.block_tables.shape[1]] = cache.block_tables
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(41)).to(DEVICE, torch.float16)
+    for window in (0, 2 * BS + 3):
+        args = (q, cache.k_cache, cache.v_cache, wide, cache.seq_lens)
+        ref = paged_attention.paged_attention_decode_ref(*args, window=window)
+        for num_splits in (3, 7):
+            out = decode_checked(*args, window=window, num_splits=num_splits, block_n=16)
+            torch.testing.assert_close(out, ref, **TOL[torch.float16], msg=lambda m: f"{num_splits} splits: {m}")
+
+
+def test_reserved_workspace_covers_every_default_launch(monkeypatch):
+    """reserve_decode_workspace (the engine's, at load time) sizes the workspace for every batch up to max_seqs at
+    the default split count: no launch grows it (growing it during CUDA-graph capture would break the graph)."""
+    monkeypatch.setattr(paged_attention, "DECODE_WORKSPACES", paged_attention.SplitWorkspaces())
+    monkeypatch.setattr(paged_attention, "MIN_TILES_PER_SPLIT", 1)
+    monkeypatch.setattr(paged_attention, "_splits_to_fill",
+                        lambda num_seqs, num_kv_heads, device: -(-12 // (num_seqs * num_kv_heads)))
+    hq, hkv, d, max_seqs = 4, 2, 32, 3
+    paged_attention.reserve_decode_workspace(DEVICE, max_seqs, hq, hkv, d)
+    reserved = paged_attention.DECODE_WORKSPACES.reserve(DEVICE, 0, 0)
+    for num_seqs in range(1, max_seqs + 1):  # 6 tiles of 16 tokens: 6, 3 and 2 splits
+        cache = PagedCache([5 * BS - 3 * s for s in range(num_seqs)], hkv, d, torch.float16, seed=30 + num_seqs)
+        q = torch.randn(num_seqs, hq, d, generator=torch.Generator().manual_seed(num_seqs)).to(DEVICE, torch.float16)
+        args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens)
+        torch.testing.assert_close(decode_checked(*args, block_n=16), paged_attention.paged_attention_decode_ref(*args),
+                                   **TOL[torch.float16])
+        assert all(a is b for a, b in zip(paged_attention.DECODE_WORKSPACES.reserve(DEVICE, 0, 0), reserved))
 
 
 # (cached tokens before the chunk, chunk length) per sequence: fresh prefill, chunks after 1 / BS-1 / BS+1 cached
@@ -135,8 +195,8 @@ def test_decode_equals_one_token_prefill():
     cache = PagedCache([BS + 1, 7], 2, 32, torch.float16, seed=5)
     q = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.float16)
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
-    decode = paged_attention.paged_attention_decode(q, cache.k_cache, cache.v_cache, cache.block_tables,
-                                                    cache.seq_lens, num_splits=2, block_n=16)
+    decode = decode_checked(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, num_splits=2,
+                            block_n=16)
     prefill = paged_prefill.paged_attention_prefill(q, cache.k_cache, cache.v_cache, cache.block_tables, qsl,
                                                     cache.seq_lens, max_query_len=1, block_m=16, block_n=16)
     torch.testing.assert_close(decode, prefill, **TOL[torch.float16])

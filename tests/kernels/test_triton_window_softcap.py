@@ -17,7 +17,7 @@ import torch
 from quantkit.kernels.triton import paged_attention, paged_prefill
 from quantkit.models.attention import AttentionSpec, masked_attention, window_mask
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention, TritonPagedAttention
-from tests.kernels.test_kernels_attention import BS, DTYPES, TOL, PagedCache
+from tests.kernels.test_kernels_attention import BS, DECODE_SPLITS, DTYPES, TOL, PagedCache, decode_checked
 
 CAP = 1.0  # scores of random q, k at scale 1/sqrt(D) are O(1): tanh bends them
 LONGEST = 3 * BS + 5  # the longest context below
@@ -62,11 +62,10 @@ def test_decode_honours_window_and_softcap(dtype, window, softcap):
         torch.testing.assert_close(ref[s].float(), dense_reference(q[s:s + 1], cache.keys[s], cache.values[s], n - 1,
                                                                    scale, window, softcap)[0], **TOL[dtype])
     tables = poisoned(cache, [max(0, n - window) for n in lens])
-    for num_splits in (1, 3):  # direct write; partials + merge, the first splits wholly behind a small window
-        out = paged_attention.paged_attention_decode(q, cache.k_cache, cache.v_cache, tables, cache.seq_lens, scale,
-                                                     window=window, softcap=softcap, num_splits=num_splits,
-                                                     block_n=16)
-        torch.testing.assert_close(out, ref, **TOL[dtype])
+    for num_splits in DECODE_SPLITS:  # with several, the first splits wholly behind a small window are empty
+        out = decode_checked(q, cache.k_cache, cache.v_cache, tables, cache.seq_lens, scale, window=window,
+                             softcap=softcap, num_splits=num_splits, block_n=16)
+        torch.testing.assert_close(out, ref, **TOL[dtype], msg=lambda m: f"{num_splits} splits: {m}")
 
 
 # (cached tokens before the chunk, chunk length): a fresh prefill longer than the small window, chunks after
@@ -129,7 +128,7 @@ def test_triton_backend_routes_every_spec_like_the_torch_backend():
     )
     g = torch.Generator().manual_seed(13)
     pools = [(c.k_cache, c.v_cache) for c in caches]
-    triton_attn = TritonPagedAttention(pools, specs)
+    triton_attn = TritonPagedAttention(pools, specs, max_num_seqs=len(feeds), num_q_heads=hq)
     torch_attn = TorchPagedAttention([(k.float(), v.float()) for k, v in pools], specs)
     triton_attn.begin_step(meta)
     torch_attn.begin_step(meta)
