@@ -32,6 +32,7 @@ CASES = (
     ("M<=16 bf16 W4 g128 sym", "bf16", 4, 128, True, 16, 128, 128, 8, 4),
     ("M<=16 fp16 W4 g128 asym", "fp16", 4, 128, False, 16, 128, 128, 8, 4),
     ("M<=16 fp16 W4 g64 sym", "fp16", 4, 64, True, 16, 128, 128, 8, 4),
+    ("M<=16 fp16 W4 g128 sym, two groups a tile", "fp16", 4, 128, True, 16, 128, 256, 8, 4),
     ("M<=16 fp16 W8 g128 sym", "fp16", 8, 128, True, 16, 128, 128, 8, 4),
     ("M=32 fp16 W4 g128 sym", "fp16", 4, 128, True, 32, 128, 128, 8, 4),
 )
@@ -43,7 +44,7 @@ LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
 def compile_gemv(arch, dtype, bits, group, sym, block_m, block_n, block_k, split, warps):
     consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=False, HAS_BIAS=False, FP32_DOT=False,
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split)
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=True, EVEN_N=True)
     ptrs = dict(qw_ptr="i32", s_ptr="fp16", z_ptr="u8", perm_ptr="i32", x_ptr=dtype, bias_ptr=dtype, out_ptr=dtype,
                 ws_ptr="fp32", cnt_ptr="i32")
     return aot.compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts, warps=warps)

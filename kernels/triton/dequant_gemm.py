@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from .common import fp32_dot, quick_bench
-from .dequantize import check_matmul_inputs, dequant_dot, dequant_matmul_ref, min_block_k, weight_args, weight_meta
+from .dequantize import (EVEN_TILES, check_matmul_inputs, dequant_dot, dequant_matmul_ref, min_block_k, weight_args,
+                         weight_meta)
 from .repack import PackedWeight
 
 
@@ -44,6 +45,7 @@ def _gemm_kernel(
     M, N, K, M_BUCKET, stride_xm, stride_om, stride_qw, stride_sg,
     BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     # program id -> (pid_m, pid_n), walking GROUP_M row tiles down one column band before moving right
     pid = tl.program_id(0)
@@ -61,7 +63,8 @@ def _gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         acc = dequant_dot(x_ptr, offs_m, mask_m, stride_xm, perm_ptr, acc, qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N,
-                          stride_qw, stride_sg, BITS, GROUP_K, SYM, HAS_PERM, BLOCK_K, FP32_DOT)  # fp32 accumulate
+                          stride_qw, stride_sg, BITS, GROUP_K, SYM, HAS_PERM, BLOCK_K, FP32_DOT, EVEN_K,
+                          EVEN_N)  # fp32 accumulate
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     # out (m, n) at out_ptr + m * stride_om + n
@@ -72,9 +75,10 @@ def _gemm_kernel(
 # the CPU interpreter cannot time configs: it runs this small one
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 4}
 
+_gemm_even = triton.heuristics(EVEN_TILES)(_gemm_kernel)
 _gemm_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET", "BITS", "GROUP_K"],
                               prune_configs_by={"early_config_prune": _prune}, do_bench=quick_bench,
-                              cache_results=True)(_gemm_kernel)
+                              cache_results=True)(_gemm_even)
 
 
 def m_bucket(m: int) -> int:
@@ -101,7 +105,7 @@ def dequant_gemm(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
         _gemm_tuned[grid](*args, **meta)
     else:
         assert config["BLOCK_K"] >= min_block_k(pw.bits), f"BLOCK_K={config['BLOCK_K']} < {min_block_k(pw.bits)}"
-        _gemm_kernel[(triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)](*args, **meta, **config)
+        _gemm_even[(triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)](*args, **meta, **config)
     return out
 
 

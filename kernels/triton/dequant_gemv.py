@@ -3,10 +3,11 @@
 packed weight at full memory bandwidth.
 
 Grid (cdiv(N, BLOCK_N), SPLIT_K): program (pid_n, pid_k) owns output columns [pid_n*BLOCK_N, +BLOCK_N) and the
-K slice [pid_k*k_per_split, +k_per_split). M == 1 multiplies on the CUDA cores (x broadcast over N, products
-summed over each word's codes in registers, and over K once after the loop); M in 2..64 pads the rows to
-BLOCK_M = 16, 32 or 64 and uses tl.dot on the exact integers code - zero (dequantize.dequant_dot). Codes become
-floats by bit tricks, never by an int -> float conversion (dequantize.code_values). Accumulation is fp32.
+K slice [pid_k*k_per_split, +k_per_split). The rows are padded to BLOCK_M = 16, 32 or 64 (one row too: the
+tensor cores have time to spare, and the decoding that sets the pace is the same) and multiplied by tl.dot on the
+exact integers code - zero (dequantize.dequant_dot). Codes become floats by bit tricks, never by an int -> float
+conversion (dequantize.position_values). Accumulation is fp32. bench/gpu_sass.py counts the loop's instructions
+per weight without a GPU.
 
 Split-K reduction in ONE launch (no memset, no cast kernel): every program stores its fp32 partial [M, BLOCK_N]
 in its own slice of a per-device workspace [SPLIT_K, M, N] (plain stores), then bumps a per-column-tile arrival
@@ -27,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .common import SplitWorkspaces, fp32_dot, quick_bench
-from .dequantize import check_matmul_inputs, dequant_dot, dequant_matmul_ref, min_block_k, weight_args, weight_meta
+from .dequantize import (EVEN_TILES, check_matmul_inputs, dequant_dot, dequant_matmul_ref, min_block_k, weight_args,
+                         weight_meta)
 from .repack import PackedWeight
 
 GEMV_MAX_M = 64  # rows one launch handles: every decode batch bucket up to 64 (more rows go to dequant_gemm)
@@ -71,6 +73,7 @@ def _gemv_kernel(
     M, N, K, M_BUCKET, stride_xm, stride_om, stride_qw, stride_sg,
     BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -84,7 +87,7 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         acc = dequant_dot(x_ptr, offs_m, mask_m, stride_xm, perm_ptr, acc, qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N,
-                          stride_qw, stride_sg, BITS, GROUP_K, SYM, HAS_PERM, BLOCK_K, FP32_DOT)
+                          stride_qw, stride_sg, BITS, GROUP_K, SYM, HAS_PERM, BLOCK_K, FP32_DOT, EVEN_K, EVEN_N)
     mask_out = mask_m[:, None] & (offs_n < N)[None, :]
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :]  # (m, n) of out
     if SPLIT_K == 1:
@@ -110,9 +113,10 @@ def _gemv_kernel(
 # the CPU interpreter cannot time configs: it runs this small one
 INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2}
 
+_gemv_even = triton.heuristics(EVEN_TILES)(_gemv_kernel)
 _gemv_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET", "BITS", "GROUP_K"],
                               prune_configs_by={"early_config_prune": _prune},
-                              do_bench=quick_bench, cache_results=True)(_gemv_kernel)
+                              do_bench=quick_bench, cache_results=True)(_gemv_even)
 
 _WORKSPACES = SplitWorkspaces()  # per device: the [WORKSPACE_ROWS, N] fp32 slices and the column-tile counters
 
@@ -145,7 +149,7 @@ def dequant_gemv(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = 
         split = config["SPLIT_K"]
         assert split * rows <= WORKSPACE_ROWS, f"SPLIT_K={split} x {rows} rows: the workspace holds {WORKSPACE_ROWS}"
         assert config["BLOCK_K"] >= min_block_k(pw.bits), f"BLOCK_K={config['BLOCK_K']} < {min_block_k(pw.bits)}"
-        _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]), config["SPLIT_K"])](*args, **meta, **config)
+        _gemv_even[(triton.cdiv(n, config["BLOCK_N"]), config["SPLIT_K"])](*args, **meta, **config)
     return out
 
 

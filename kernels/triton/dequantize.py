@@ -16,37 +16,48 @@ from .common import mma
 from .repack import PackedWeight
 
 
+# EVEN_K / EVEN_N of the dequant-matmul kernels from the launch's tiles (triton.heuristics: after autotuning picks
+# them): K / N multiples of BLOCK_K / BLOCK_N, so no tile needs masks along them
+EVEN_TILES = {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+              "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0}
+
+
 def min_block_k(bits: int) -> int:
     """The smallest K tile dequant_dot takes: 16 packed rows per code position (tl.dot's K >= 16)."""
     return 16 * (32 // bits)
 
 
 @triton.jit
-def tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+def tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """The words of packed rows [k0, k0 + BLOCK_K) x offs_n -> uint32 [BLOCK_K / P, BLOCK_N]: word (w, n) holds
     packed row k0 + w*P + j at bits [BITS*j, BITS*(j+1)); words past K are 0. Each is loaded once, coalesced along
-    N, evict_first (weights are streamed once); unsigned, so the shifts that unpack it are logical."""
+    N, evict_first (weights are streamed once); unsigned, so the shifts that unpack it are logical. EVEN: the tile
+    lies inside K and N, no mask (its compares and selects cost as much as the unpacking)."""
     P: tl.constexpr = 32 // BITS
     # word (w, n) at qw_ptr + w * stride_qw + n
     offs_w = k0 // P + tl.arange(0, BLOCK_K // P)  # [BKW]
-    words = tl.load(qw_ptr + offs_w[:, None] * stride_qw + offs_n[None, :],
-                    mask=(offs_w * P < K)[:, None] & (offs_n < N)[None, :], other=0, eviction_policy="evict_first")
+    ptrs = qw_ptr + offs_w[:, None] * stride_qw + offs_n[None, :]
+    if EVEN:
+        words = tl.load(ptrs, eviction_policy="evict_first")
+    else:
+        words = tl.load(ptrs, mask=(offs_w * P < K)[:, None] & (offs_n < N)[None, :], other=0,
+                        eviction_policy="evict_first")
     return words.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
-def group_params(s_ptr, z_ptr, k0, rows, offs_n, K, N, stride_sg,
-                 BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, ONE_GROUP: tl.constexpr):
+def group_params(s_ptr, z_ptr, k0, rows, offs_n, K, N, stride_sg, BITS: tl.constexpr, GROUP_K: tl.constexpr,
+                 SYM: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN: tl.constexpr):
     """(zero, scale fp32) of packed rows `rows` [R] x offs_n: ONE_GROUP (the rows all lie in group k0 // GROUP_K)
-    one [1, BN] row each, else gathered per row, [R, BN] (rows past K: scale 0). zero: the constant 2^(BITS-1)
-    when SYM, else the uint8 zeros."""
-    mask_n = offs_n < N
+    one [1, BN] row each, else gathered per row, [R, BN] (rows past K: scale 0; EVEN: none are, nor columns past
+    N). zero: the constant 2^(BITS-1) when SYM, else the uint8 zeros."""
+    mask_n = (offs_n < N) | EVEN
     if ONE_GROUP:
         offs = (k0 // GROUP_K) * stride_sg + offs_n[None, :]  # [1, BN]
         mask = mask_n[None, :]
     else:
         offs = (rows // GROUP_K)[:, None] * stride_sg + offs_n[None, :]  # [R, BN]
-        mask = (rows < K)[:, None] & mask_n[None, :]
+        mask = ((rows < K) | EVEN)[:, None] & mask_n[None, :]
     scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if SYM:
         zero = 1 << (BITS - 1)
@@ -56,31 +67,48 @@ def group_params(s_ptr, z_ptr, k0, rows, offs_n, K, N, stride_sg,
 
 
 @triton.jit
-def code_values(codes, zero, DTYPE: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr):
-    """codes (uint32, < 2^BITS) - zero (group_params' zero), exact, in DTYPE (fp32, fp16, or bf16 for 4-bit codes),
-    without an int -> float conversion per code (the CUDA guide's throughput table: 16 conversions per SM per
-    clock on sm_80/sm_90, against 64-128 integer or fp32 operations; conversions, not weight bytes, set the speed
-    of the first GPU kernels). The float whose bits are MAGIC | code is BASE + code exactly (fp32 0x4B000000 = 2^23;
-    fp16 0x6400 = 1024, codes < 1024; bf16 0x4300 = 128, codes < 128), and (BASE + code) - (BASE + zero) is exact;
-    uint8 zeros are converted once per group row, not per code."""
-    if DTYPE == tl.float16:
-        MAGIC: tl.constexpr = 0x6400
-        BASE: tl.constexpr = 1024.0
-    elif DTYPE == tl.bfloat16 and BITS == 4:
-        MAGIC: tl.constexpr = 0x4300
-        BASE: tl.constexpr = 128.0
-    else:
-        MAGIC: tl.constexpr = 0x4B000000
-        BASE: tl.constexpr = 8388608.0
-    if MAGIC == 0x4B000000:
-        biased = (codes | MAGIC).to(tl.float32, bitcast=True)
-    else:
-        biased = (codes | MAGIC).to(tl.uint16).to(DTYPE, bitcast=True)
+def code_floats(codes, zero, SYM: tl.constexpr):
+    """codes (uint32, < 2^23) - zero (group_params' zero) in fp32, exact, without an int -> float conversion per code
+    (the CUDA guide's throughput table: 16 conversions per SM per clock on sm_80/sm_90, against 64-128 integer or
+    fp32 operations; conversions, not weight bytes, set the speed of the first GPU kernels): the float whose bits
+    are 0x4B000000 | code is 2^23 + code, and (2^23 + code) - (2^23 + zero) is exact; uint8 zeros are converted once
+    per group row, not per code."""
+    biased = (codes | 0x4B000000).to(tl.float32, bitcast=True)
     if SYM:
-        values = biased - (BASE + zero)  # a constant of biased's dtype
+        values = biased - (8388608.0 + zero)
     else:
-        values = biased - (zero.to(tl.float32) + BASE).to(biased.dtype)
-    return values.to(DTYPE)
+        values = biased - (zero.to(tl.float32) + 8388608.0)
+    return values
+
+
+@triton.jit
+def position_values(words, j: tl.constexpr, zero, DTYPE: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr):
+    """Code position j of words [BKW, BN] (uint32; tile_words) minus zero, exact, in DTYPE (fp32, fp16 or bf16).
+    fp16 (and bf16 for 4-bit codes) by the same trick as code_floats with a 16-bit magic, two positions per shift
+    and mask: (words >> BITS*i) & (MAXQ | MAXQ << 16) | MAGIC * 0x10001 is the half pair (BASE + code i,
+    BASE + code i + P/2), i = j mod P/2 (fp16 0x6400 = 1024, codes < 1024; bf16 0x4300 = 128, codes < 128); the
+    caller's unrolled loop over j computes each pair once. Other dtypes: code_floats, then a cast."""
+    P: tl.constexpr = 32 // BITS
+    MAXQ: tl.constexpr = (1 << BITS) - 1
+    if DTYPE == tl.float16 or (DTYPE == tl.bfloat16 and BITS == 4):
+        if DTYPE == tl.float16:
+            MAGIC: tl.constexpr = 0x6400
+            BASE: tl.constexpr = 1024.0
+        else:
+            MAGIC: tl.constexpr = 0x4300
+            BASE: tl.constexpr = 128.0
+        pair = ((words >> (BITS * (j % (P // 2)))) & (MAXQ | (MAXQ << 16))) | (MAGIC * 0x10001)
+        if j < P // 2:
+            biased = pair.to(tl.uint16).to(DTYPE, bitcast=True)
+        else:
+            biased = (pair >> 16).to(tl.uint16).to(DTYPE, bitcast=True)
+        if SYM:
+            values = biased - (BASE + zero)  # a constant of biased's dtype
+        else:
+            values = biased - (zero.to(tl.float32) + BASE).to(DTYPE)
+    else:
+        values = code_floats((words >> (BITS * j)) & MAXQ, zero, SYM).to(DTYPE)
+    return values
 
 
 @triton.jit
@@ -94,17 +122,17 @@ def dequant_tile3(
     P: tl.constexpr = 32 // BITS
     MAXQ: tl.constexpr = (1 << BITS) - 1
     BLOCK_N: tl.constexpr = offs_n.shape[0]
-    words = tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS, BLOCK_K)  # [BKW, BN]
+    words = tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS, BLOCK_K, False)  # [BKW, BN]
     shifts = tl.arange(0, P).to(tl.uint32) * BITS  # [P]
     codes = (words[:, None, :] >> shifts[None, :, None]) & MAXQ  # [BKW, P, BN]
     rows = k0 + tl.arange(0, BLOCK_K)  # [BK] = (w, j) flattened
     ONE_GROUP: tl.constexpr = GROUP_K % BLOCK_K == 0
-    zero, scale = group_params(s_ptr, z_ptr, k0, rows, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM, ONE_GROUP)
+    zero, scale = group_params(s_ptr, z_ptr, k0, rows, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM, ONE_GROUP, False)
     G: tl.constexpr = 1 if ONE_GROUP else BLOCK_K // P
     GP: tl.constexpr = 1 if ONE_GROUP else P
     if not SYM:
         zero = tl.reshape(zero, (G, GP, BLOCK_N))
-    return code_values(codes, zero, tl.float32, BITS, SYM) * tl.reshape(scale, (G, GP, BLOCK_N))
+    return code_floats(codes, zero, SYM) * tl.reshape(scale, (G, GP, BLOCK_N))
 
 
 @triton.jit
@@ -123,42 +151,53 @@ def dequant_dot(
     perm_ptr, acc,  # perm int32 [K] (read when HAS_PERM): x column of each packed row; acc [BM, BN] fp32
     qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
     BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """-> acc + x @ W'[packed rows k0 .. k0 + BLOCK_K, offs_n] on the tensor cores (fp32 accumulate),
-    BLOCK_K >= min_block_k(BITS).
+    BLOCK_K >= min_block_k(BITS); EVEN_K / EVEN_N: K / N are multiples of the tile (no masks along them).
 
     One dot per code position j of the tile's words: codes j of the [BLOCK_K / P, BN] words (packed rows
     k0 + w*P + j) against x's matching columns [BM, BLOCK_K / P], so the decoded weight keeps the words' register
     layout (the [BK/P, P, BN] -> [BK, BN] reshape of the first kernels went through shared memory, one 16-bit store
-    per weight). A tile inside one group (GROUP_K % BLOCK_K == 0) multiplies x by exact integers, code - zero when
-    SYM, else the code itself with zero * sum(x) taken off after, and scales the [BM, BN] sum by the group's row
-    once. A tile across groups scales each code by its word's group (GROUP_K % P == 0: a word never straddles
-    groups) and rounds W' to x's dtype once, as (code - zero) * scale in fp32 would."""
+    per weight). A tile inside one group, or across two (BLOCK_K == 2 * GROUP_K: the first half of its words in
+    one, the second in the next; x's columns of the other half are zeroed for each group's dot), multiplies x by
+    exact integers, code - zero when SYM, else the code itself with zero * sum(x) taken off after, and scales each
+    group's [BM, BN] sum by its row once. Any other tile scales each code by its word's group (GROUP_K % P == 0: a
+    word never straddles groups) and rounds W' to x's dtype once, as (code - zero) * scale in fp32 would."""
     P: tl.constexpr = 32 // BITS
     MAXQ: tl.constexpr = (1 << BITS) - 1
-    ONE_GROUP: tl.constexpr = GROUP_K % BLOCK_K == 0
+    TWO: tl.constexpr = BLOCK_K == 2 * GROUP_K
+    EXACT: tl.constexpr = GROUP_K % BLOCK_K == 0 or TWO
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     # codes in x's dtype on the GPU; fp32 in the interpreter (its bf16 arithmetic works on the raw bits), and for
-    # bf16 outside one group (the scaled weight is rounded once, from fp32)
-    if FP32_DOT or (x_ptr.dtype.element_ty == tl.bfloat16 and not ONE_GROUP):
+    # bf16 off the exact path (the scaled weight is rounded once, from fp32)
+    if FP32_DOT or (x_ptr.dtype.element_ty == tl.bfloat16 and not EXACT):
         CODES: tl.constexpr = tl.float32
     else:
         CODES: tl.constexpr = x_ptr.dtype.element_ty
-    words = tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS, BLOCK_K)  # [BKW, BN]
+    words = tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS, BLOCK_K, EVEN_K and EVEN_N)  # [BKW, BN]
     offs_w = tl.arange(0, BLOCK_K // P)  # [BKW]
-    if ONE_GROUP:
-        zero, scale = group_params(s_ptr, z_ptr, k0, offs_w, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM, True)
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # not SYM: every column sum(x) of the rows
+    if EXACT:
+        # group rows [1, BN] of the tile's first group (and, TWO, its second); sums [BM, BN] per group
+        zero0, scale0 = group_params(s_ptr, z_ptr, k0, offs_w, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM, True,
+                                     EVEN_N)
+        part0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_sum0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # not SYM: every column sum(x) of the rows
+        if TWO:
+            zero1, scale1 = group_params(s_ptr, z_ptr, k0 + GROUP_K, offs_w, offs_n, K, N, stride_sg, BITS, GROUP_K,
+                                         SYM, True, EVEN_N)
+            part1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            x_sum1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        in_first = (offs_w < BLOCK_K // P // 2)[None, :] | (not TWO)  # [1, BKW]: x columns of the first group
+        ones = tl.full((BLOCK_K // P, BLOCK_N), 1.0, x_ptr.dtype.element_ty)
     else:
         zero, scale = group_params(s_ptr, z_ptr, k0, k0 + offs_w * P, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM,
-                                   False)  # [BKW, BN]: the group of each word
+                                   False, EVEN_K and EVEN_N)  # [BKW, BN]: the group of each word
         scale = scale.to(CODES)  # exact (fp16 scales)
     for j in tl.static_range(P):
         rows = k0 + offs_w * P + j  # [BKW] packed rows of code position j
-        mask_k = rows < K
+        mask_k = (rows < K) | EVEN_K
         if HAS_PERM:
             cols = tl.load(perm_ptr + rows, mask=mask_k, other=0)  # x column of each packed row
         else:
@@ -166,20 +205,28 @@ def dequant_dot(
         # x (m, col) at x_ptr + m * stride_xm + col; evict_last: every column tile re-reads x
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0, eviction_policy="evict_last")  # [BM, BKW]
-        codes = (words >> (BITS * j)) & MAXQ  # [BKW, BN]
-        if ONE_GROUP and SYM:
-            part = mma(x, code_values(codes, zero, CODES, BITS, True), part, FP32_DOT)
-        elif ONE_GROUP:
-            part = mma(x, code_values(codes, 0, CODES, BITS, True), part, FP32_DOT)
-            # on the tensor cores too: a row sum in registers would shuffle across threads on every j
-            x_sum = mma(x, tl.full((BLOCK_K // P, BLOCK_N), 1.0, x.dtype), x_sum, FP32_DOT)
+        if EXACT:
+            q = position_values(words, j, 1 << (BITS - 1) if SYM else 0, CODES, BITS, True)  # code - zero, or code
+            x0 = tl.where(in_first, x, 0.0)
+            part0 = mma(x0, q, part0, FP32_DOT)
+            if not SYM:  # on the tensor cores: a row sum in registers would shuffle across threads on every j
+                x_sum0 = mma(x0, ones, x_sum0, FP32_DOT)
+            if TWO:
+                x1 = tl.where(in_first, 0.0, x)
+                part1 = mma(x1, q, part1, FP32_DOT)
+                if not SYM:
+                    x_sum1 = mma(x1, ones, x_sum1, FP32_DOT)
         else:
-            w = code_values(codes, zero, CODES, BITS, SYM) * scale
+            w = position_values(words, j, zero, CODES, BITS, SYM) * scale
             acc = mma(x, w.to(x.dtype), acc, FP32_DOT)
-    if ONE_GROUP:
+    if EXACT:
         if not SYM:
-            part -= x_sum * zero.to(tl.float32)
-        acc += part * scale
+            part0 -= x_sum0 * zero0.to(tl.float32)
+        acc += part0 * scale0
+        if TWO:
+            if not SYM:
+                part1 -= x_sum1 * zero1.to(tl.float32)
+            acc += part1 * scale1
     return acc
 
 
@@ -237,7 +284,8 @@ def check_matmul_inputs(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | 
 #   bias_ptr  [N] x.dtype (read only when HAS_BIAS)
 #   out_ptr   [M, N] x.dtype, row stride stride_om, column stride 1
 #   M, N, K, M_BUCKET (an autotune key only), stride_xm, stride_om, stride_qw, stride_sg (weight strides)
-#   BITS, GROUP_K, SYM, HAS_PERM (weight_meta), HAS_BIAS, FP32_DOT (common.fp32_dot), then each kernel's tiles
+#   BITS, GROUP_K, SYM, HAS_PERM (weight_meta), HAS_BIAS, FP32_DOT (common.fp32_dot), then each kernel's tiles,
+#   then EVEN_K, EVEN_N (EVEN_TILES)
 def weight_args(pw: PackedWeight) -> tuple:
     """(qweight, scales, zeros, perm) kernel pointers; a dummy for perm when there is none (HAS_PERM=False)."""
     return pw.qweight, pw.scales, pw.zeros, pw.perm if pw.perm is not None else pw.qweight

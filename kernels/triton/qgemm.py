@@ -9,8 +9,8 @@ takes many programs per column tile (split-K). Prefill is compute-bound: cuBLAS 
 the one-off dequantize is amortised over enough rows. In between, a tiled dequant-GEMM reads 4x/2x fewer bytes
 than fp16 and still feeds the tensor cores.
 
-  M <= GEMV_MAX_M                 dequant_gemv   split-K, one launch (M == 1 on CUDA cores, else tl.dot on 16-,
-                                                 32- or 64-row tiles): every decode batch bucket up to 64
+  M <= GEMV_MAX_M                 dequant_gemv   split-K, one launch, tl.dot on 16-, 32- or 64-row tiles: every
+                                                 decode batch bucket up to 64
   GEMV_MAX_M < M < DEQUANT_MIN_M  dequant_gemm   tiled, grouped program order
   M >= DEQUANT_MIN_M              dequantize -> torch.matmul (cuBLAS)
 

@@ -35,14 +35,16 @@ def act_ptrs(dtype: str, *names) -> dict:
 
 def dequant_gemm_kernels(arch: int) -> None:
     # one group per K tile (the exact-integer path), sym fp16 and asym bf16; and groups shorter than the tile
-    cases = [(4, 128, True, False, 16, "fp16"), (4, 128, False, False, 64, "bf16"), (8, 32, False, True, 16, "bf16")]
-    for bits, group, sym, perm, block_m, dtype in cases:
+    # (the last with masks: K and N off the tiles)
+    cases = [(4, 128, True, False, 16, "fp16", True), (4, 128, False, False, 64, "bf16", True),
+             (8, 32, False, True, 16, "bf16", False)]
+    for bits, group, sym, perm, block_m, dtype, even in cases:
         consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=perm, HAS_BIAS=True, FP32_DOT=False,
-                      BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8)
+                      BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, EVEN_K=even, EVEN_N=even)
         ptrs = {**WEIGHT_PTRS, **act_ptrs(dtype, "x_ptr", "bias_ptr", "out_ptr"), "ws_ptr": "fp32", "cnt_ptr": "i32"}
         compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts)
         consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=perm, HAS_BIAS=False, FP32_DOT=False,
-                      BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
+                      BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, EVEN_K=even, EVEN_N=even)
         compile_for(arch, dequant_gemm._gemm_kernel, {**WEIGHT_PTRS, **act_ptrs(dtype, "x_ptr", "bias_ptr", "out_ptr")},
                     consts, warps=4, stages=4)
     compile_for(arch, dequantize._dequantize_kernel, {**WEIGHT_PTRS, "out_ptr": "fp16"},

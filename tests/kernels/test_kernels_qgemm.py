@@ -27,9 +27,9 @@ from quantkit.quant import scheme
 
 TOL = {torch.float16: dict(rtol=4e-3, atol=2e-2), torch.bfloat16: dict(rtol=1.6e-2, atol=1.5e-1)}
 
-# (N, K, bits, group_size, sym, act_order): N and K off the 32/64 tiles, per-channel with K % p != 0,
-# groups 32 and 64 under a 128-row tile (scales gathered per word), group 128 (one group per 128-row tile: the exact
-# integer path, sym and asym), act-order permutations.
+# (N, K, bits, group_size, sym, act_order): N and K off the 32/64 tiles, per-channel with K % p != 0, group 32
+# under a 128-row tile (scales gathered per word), groups 64 and 128 (one or two groups per 128- or 256-row tile:
+# the exact integer path, sym and asym), act-order permutations.
 WEIGHTS = {
     "w4g32-sym": (40, 96, 4, 32, True, False),
     "w8g64-asym-act": (37, 128, 8, 64, False, True),
@@ -38,6 +38,7 @@ WEIGHTS = {
     "w8ch-sym-oddK": (24, 98, 8, -1, True, False),
     "w4g32-sym-act": (48, 96, 4, 32, True, True),
     "w4g128-sym": (64, 256, 4, 128, True, False),
+    "w4g64-sym": (40, 256, 4, 64, True, False),
 }
 
 
