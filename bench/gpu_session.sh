@@ -2,9 +2,13 @@
 # One lent-GPU session, as one command (the device tool; see BENCHMARKS.md "GPU"): from the repository root on
 # the GPU machine, with the inputs `python bench/engine_gpu.py --prepare .gpu` wrote here carried along:
 #
-#     OUT=/where/results/go bash bench/gpu_session.sh STAGE... [--limit SECONDS]
+#     OUT=/where/results/go bash bench/gpu_session.sh STAGE...
 #
-# Stages: tests (the Triton kernel tests and QLinear's CUDA test, compiled for the GPU: TRITON_INTERPRET=0),
+# Time limits per stage (seconds) from the environment: TESTS_LIMIT, KERNELS_LIMIT, ENGINE_LIMIT, PY_LIMIT. The
+# 15 minutes of a lent device (machine start included) fit two calls: `tests kernels`, then `engine8b engine`.
+#
+# Stages: tests (the Triton kernel tests, QLinear's CUDA test and a decode-graph capture and replay, compiled for
+# the GPU: TRITON_INTERPRET=0),
 # kernels (bench/gpu_kernels.py --quick), engine (bench/engine_gpu.py on the SmolLM2-135M shape: attention check, bf16,
 # W4, W8; ENGINE_ARGS=--profile adds a cProfile of each), engine8b (the Llama-3-8B shape: bf16, W4, W8),
 # py:FILE (python3 .gpu/FILE: a one-off diagnosis carried with the inputs).
@@ -38,10 +42,12 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 for arg in "$@"; do
     case $arg in
-        tests) stage tests "${TESTS_LIMIT:-120}" python3 -m pytest -q -rf -p no:cacheprovider \
-                   tests/kernels/test_kernels_qgemm.py tests/kernels/test_kernels_attention.py tests/kernels/test_kernels_fused.py \
+        tests) stage tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -rf -p no:cacheprovider \
+                   tests/kernels/test_kernels_qgemm.py tests/kernels/test_kernels_attention.py \
+                   tests/kernels/test_kernels_fused.py tests/kernels/test_triton_window_softcap.py \
                    tests/kernels/test_kernels_compile.py \
-                   tests/quantkit/test_qlinear.py::test_cuda_forward_matches_reference_and_keeps_the_qtensor ;;
+                   tests/quantkit/test_qlinear.py::test_cuda_forward_matches_reference_and_keeps_the_qtensor \
+                   tests/serve/test_cuda_graphs.py::test_graph_replay_equals_the_eager_padded_forward ;;
         kernels) stage kernels "${KERNELS_LIMIT:-200}" python3 bench/gpu_kernels.py --quick --out "$OUT/kernels.json" ;;
         engine) stage engine "${ENGINE_LIMIT:-200}" python3 bench/engine_gpu.py --inputs "$INPUTS" \
                     --shapes smollm2-135m --out "$OUT/engine.json" ${ENGINE_ARGS:-} ;;
