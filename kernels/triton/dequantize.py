@@ -146,6 +146,13 @@ def dequant_tile(
 
 
 @triton.jit
+def interleave_rows(a, b):
+    """a, b [R, C] -> [2R, C] with rows a[0], b[0], a[1], b[1], ...: for 16-bit a and b, the pairs one tensor-core
+    operand register holds (two consecutive K rows of one column), so the dot takes it without a shuffle."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (2 * a.shape[0], a.shape[1]))
+
+
+@triton.jit
 def dequant_dot(
     x_ptr, offs_m, mask_m, stride_xm,  # x [M, K] fp16/bf16 and the tile's rows offs_m [BM] (mask_m: < M)
     perm_ptr, acc,  # perm int32 [K] (read when HAS_PERM): x column of each packed row; acc [BM, BN] fp32
@@ -156,16 +163,19 @@ def dequant_dot(
     """-> acc + x @ W'[packed rows k0 .. k0 + BLOCK_K, offs_n] on the tensor cores (fp32 accumulate),
     BLOCK_K >= min_block_k(BITS); EVEN_K / EVEN_N: K / N are multiples of the tile (no masks along them).
 
-    One dot per code position j of the tile's words: codes j of the [BLOCK_K / P, BN] words (packed rows
-    k0 + w*P + j) against x's matching columns [BM, BLOCK_K / P], so the decoded weight keeps the words' register
-    layout (the [BK/P, P, BN] -> [BK, BN] reshape of the first kernels went through shared memory, one 16-bit store
-    per weight). A tile inside one group, or across two (BLOCK_K == 2 * GROUP_K: the first half of its words in
-    one, the second in the next; x's columns of the other half are zeroed for each group's dot), multiplies x by
-    exact integers, code - zero when SYM, else the code itself with zero * sum(x) taken off after, and scales each
-    group's [BM, BN] sum by its row once. Any other tile scales each code by its word's group (GROUP_K % P == 0: a
-    word never straddles groups) and rounds W' to x's dtype once, as (code - zero) * scale in fp32 would."""
+    One dot per pair of code positions (i, i + P/2) of the tile's [BLOCK_K / P, BN] words: operand row r = 2w + h
+    is packed row k0 + w*P + i + h*P/2, against x's matching columns [BM, 2 * BLOCK_K / P]. The two positions come
+    from one shift and mask (position_values) and sit side by side as the tensor cores read them (interleave_rows),
+    so the decoded weight never goes through shared memory (the [BK/P, P, BN] -> [BK, BN] reshape of the first
+    kernels did, one 16-bit store per weight). A tile inside one group, or across two (BLOCK_K == 2 * GROUP_K: its
+    first half of words in one, the second in the next; x's columns of the other half are zeroed for each group's
+    dot), multiplies x by exact integers, code - zero when SYM, else the code itself with zero * sum(x) taken off
+    after, and scales each group's [BM, BN] sum by its row once. Any other tile scales each code by its word's group
+    (GROUP_K % P == 0: a word never straddles groups) and rounds W' to x's dtype once, as (code - zero) * scale in
+    fp32 would."""
     P: tl.constexpr = 32 // BITS
-    MAXQ: tl.constexpr = (1 << BITS) - 1
+    HALF: tl.constexpr = P // 2
+    BKW: tl.constexpr = BLOCK_K // P
     TWO: tl.constexpr = BLOCK_K == 2 * GROUP_K
     EXACT: tl.constexpr = GROUP_K % BLOCK_K == 0 or TWO
     BLOCK_M: tl.constexpr = offs_m.shape[0]
@@ -177,7 +187,8 @@ def dequant_dot(
     else:
         CODES: tl.constexpr = x_ptr.dtype.element_ty
     words = tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS, BLOCK_K, EVEN_K and EVEN_N)  # [BKW, BN]
-    offs_w = tl.arange(0, BLOCK_K // P)  # [BKW]
+    offs_w = tl.arange(0, BKW)  # [BKW]
+    offs_r = tl.arange(0, 2 * BKW)  # [2 BKW] operand rows: word r // 2, half r % 2
     if EXACT:
         # group rows [1, BN] of the tile's first group (and, TWO, its second); sums [BM, BN] per group
         zero0, scale0 = group_params(s_ptr, z_ptr, k0, offs_w, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM, True,
@@ -189,14 +200,15 @@ def dequant_dot(
                                          SYM, True, EVEN_N)
             part1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             x_sum1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        in_first = (offs_w < BLOCK_K // P // 2)[None, :] | (not TWO)  # [1, BKW]: x columns of the first group
-        ones = tl.full((BLOCK_K // P, BLOCK_N), 1.0, x_ptr.dtype.element_ty)
+        in_first = (offs_r // 2 < BKW // 2)[None, :] | (not TWO)  # [1, 2 BKW]: x columns of the first group
+        ones = tl.full((2 * BKW, BLOCK_N), 1.0, x_ptr.dtype.element_ty)
+        ZERO_CODE: tl.constexpr = (1 << (BITS - 1)) * SYM  # code - zero, or the code itself
     else:
         zero, scale = group_params(s_ptr, z_ptr, k0, k0 + offs_w * P, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM,
                                    False, EVEN_K and EVEN_N)  # [BKW, BN]: the group of each word
         scale = scale.to(CODES)  # exact (fp16 scales)
-    for j in tl.static_range(P):
-        rows = k0 + offs_w * P + j  # [BKW] packed rows of code position j
+    for i in tl.static_range(HALF):
+        rows = k0 + (offs_r // 2) * P + i + (offs_r % 2) * HALF  # [2 BKW] packed row of each operand row
         mask_k = (rows < K) | EVEN_K
         if HAS_PERM:
             cols = tl.load(perm_ptr + rows, mask=mask_k, other=0)  # x column of each packed row
@@ -204,12 +216,13 @@ def dequant_dot(
             cols = rows
         # x (m, col) at x_ptr + m * stride_xm + col; evict_last: every column tile re-reads x
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0, eviction_policy="evict_last")  # [BM, BKW]
+                    other=0.0, eviction_policy="evict_last")  # [BM, 2 BKW]
         if EXACT:
-            q = position_values(words, j, 1 << (BITS - 1) if SYM else 0, CODES, BITS, True)  # code - zero, or code
+            q = interleave_rows(position_values(words, i, ZERO_CODE, CODES, BITS, True),
+                                position_values(words, i + HALF, ZERO_CODE, CODES, BITS, True))  # [2 BKW, BN]
             x0 = tl.where(in_first, x, 0.0)
             part0 = mma(x0, q, part0, FP32_DOT)
-            if not SYM:  # on the tensor cores: a row sum in registers would shuffle across threads on every j
+            if not SYM:  # on the tensor cores: a row sum in registers would shuffle across threads on every i
                 x_sum0 = mma(x0, ones, x_sum0, FP32_DOT)
             if TWO:
                 x1 = tl.where(in_first, 0.0, x)
@@ -217,7 +230,8 @@ def dequant_dot(
                 if not SYM:
                     x_sum1 = mma(x1, ones, x_sum1, FP32_DOT)
         else:
-            w = position_values(words, j, zero, CODES, BITS, SYM) * scale
+            w = interleave_rows(position_values(words, i, zero, CODES, BITS, SYM) * scale,
+                                position_values(words, i + HALF, zero, CODES, BITS, SYM) * scale)
             acc = mma(x, w.to(x.dtype), acc, FP32_DOT)
     if EXACT:
         if not SYM:
