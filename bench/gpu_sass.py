@@ -35,6 +35,7 @@ CASES = (
     ("M<=16 fp16 W4 g128 sym, two groups a tile", "fp16", 4, 128, True, 16, 128, 256, 8, 4),
     ("M<=16 fp16 W8 g128 sym", "fp16", 8, 128, True, 16, 128, 128, 8, 4),
     ("M=32 fp16 W4 g128 sym", "fp16", 4, 128, True, 32, 128, 128, 8, 4),
+    ("M=64 fp16 W4 g128 sym", "fp16", 4, 128, True, 64, 128, 128, 4, 4),
 )
 KINDS = ("I2F", "F2F", "F2FP", "FFMA", "FMUL", "FADD", "HADD2", "HFMA2", "HMUL2", "LOP3", "SHF", "SGXT", "PRMT",
          "IMAD", "LEA", "HMMA", "LDG", "LDS", "LDSM", "STS", "BAR")

@@ -153,6 +153,27 @@ def interleave_rows(a, b):
 
 
 @triton.jit
+def weight_mma(x, q, part, TRANSPOSED: tl.constexpr, FP32_DOT: tl.constexpr):
+    """part + x [BM, K] @ q [K, BN] (fp32), or TRANSPOSED: part [BN, BM] + q.T @ x.T. With 64 rows sm_90 multiplies
+    by warpgroup MMA, whose second operand comes from shared memory: the decoded weight as that operand costs a
+    16-bit store per weight, as the first it stays in registers (bench/gpu_sass.py: 8.5 -> 6.6 instructions per
+    weight); below 64 rows the plain order is the cheaper."""
+    if TRANSPOSED:
+        part = mma(tl.trans(q), tl.trans(x), part, FP32_DOT)
+    else:
+        part = mma(x, q, part, FP32_DOT)
+    return part
+
+
+@triton.jit
+def as_rows(part, TRANSPOSED: tl.constexpr):
+    """weight_mma's partial sums as [BM, BN]."""
+    if TRANSPOSED:
+        part = tl.trans(part)
+    return part
+
+
+@triton.jit
 def dequant_dot(
     x_ptr, offs_m, mask_m, stride_xm,  # x [M, K] fp16/bf16 and the tile's rows offs_m [BM] (mask_m: < M)
     perm_ptr, acc,  # perm int32 [K] (read when HAS_PERM): x column of each packed row; acc [BM, BN] fp32
@@ -180,6 +201,9 @@ def dequant_dot(
     EXACT: tl.constexpr = GROUP_K % BLOCK_K == 0 or TWO
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     BLOCK_N: tl.constexpr = offs_n.shape[0]
+    TRANSPOSED: tl.constexpr = BLOCK_M >= 64  # weight_mma; the partial sums are [BN, BM] then
+    PART_R: tl.constexpr = BLOCK_N if TRANSPOSED else BLOCK_M
+    PART_C: tl.constexpr = BLOCK_M if TRANSPOSED else BLOCK_N
     # codes in x's dtype on the GPU; fp32 in the interpreter (its bf16 arithmetic works on the raw bits), and for
     # bf16 off the exact path (the scaled weight is rounded once, from fp32)
     if FP32_DOT or (x_ptr.dtype.element_ty == tl.bfloat16 and not EXACT):
@@ -190,16 +214,16 @@ def dequant_dot(
     offs_w = tl.arange(0, BKW)  # [BKW]
     offs_r = tl.arange(0, 2 * BKW)  # [2 BKW] operand rows: word r // 2, half r % 2
     if EXACT:
-        # group rows [1, BN] of the tile's first group (and, TWO, its second); sums [BM, BN] per group
+        # group rows [1, BN] of the tile's first group (and, TWO, its second); sums [PART_R, PART_C] per group
         zero0, scale0 = group_params(s_ptr, z_ptr, k0, offs_w, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM, True,
                                      EVEN_N)
-        part0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_sum0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # not SYM: every column sum(x) of the rows
+        part0 = tl.zeros((PART_R, PART_C), dtype=tl.float32)
+        x_sum0 = tl.zeros((PART_R, PART_C), dtype=tl.float32)  # not SYM: sum(x) of each row, in every column
         if TWO:
             zero1, scale1 = group_params(s_ptr, z_ptr, k0 + GROUP_K, offs_w, offs_n, K, N, stride_sg, BITS, GROUP_K,
                                          SYM, True, EVEN_N)
-            part1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            x_sum1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            part1 = tl.zeros((PART_R, PART_C), dtype=tl.float32)
+            x_sum1 = tl.zeros((PART_R, PART_C), dtype=tl.float32)
         in_first = (offs_r // 2 < BKW // 2)[None, :] | (not TWO)  # [1, 2 BKW]: x columns of the first group
         ones = tl.full((2 * BKW, BLOCK_N), 1.0, x_ptr.dtype.element_ty)
         ZERO_CODE: tl.constexpr = (1 << (BITS - 1)) * SYM  # code - zero, or the code itself
@@ -207,6 +231,7 @@ def dequant_dot(
         zero, scale = group_params(s_ptr, z_ptr, k0, k0 + offs_w * P, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM,
                                    False, EVEN_K and EVEN_N)  # [BKW, BN]: the group of each word
         scale = scale.to(CODES)  # exact (fp16 scales)
+        part = tl.zeros((PART_R, PART_C), dtype=tl.float32)
     for i in tl.static_range(HALF):
         rows = k0 + (offs_r // 2) * P + i + (offs_r % 2) * HALF  # [2 BKW] packed row of each operand row
         mask_k = (rows < K) | EVEN_K
@@ -221,26 +246,30 @@ def dequant_dot(
             q = interleave_rows(position_values(words, i, ZERO_CODE, CODES, BITS, True),
                                 position_values(words, i + HALF, ZERO_CODE, CODES, BITS, True))  # [2 BKW, BN]
             x0 = tl.where(in_first, x, 0.0)
-            part0 = mma(x0, q, part0, FP32_DOT)
+            part0 = weight_mma(x0, q, part0, TRANSPOSED, FP32_DOT)
             if not SYM:  # on the tensor cores: a row sum in registers would shuffle across threads on every i
-                x_sum0 = mma(x0, ones, x_sum0, FP32_DOT)
+                x_sum0 = weight_mma(x0, ones, x_sum0, TRANSPOSED, FP32_DOT)
             if TWO:
                 x1 = tl.where(in_first, 0.0, x)
-                part1 = mma(x1, q, part1, FP32_DOT)
+                part1 = weight_mma(x1, q, part1, TRANSPOSED, FP32_DOT)
                 if not SYM:
-                    x_sum1 = mma(x1, ones, x_sum1, FP32_DOT)
+                    x_sum1 = weight_mma(x1, ones, x_sum1, TRANSPOSED, FP32_DOT)
         else:
             w = interleave_rows(position_values(words, i, zero, CODES, BITS, SYM) * scale,
                                 position_values(words, i + HALF, zero, CODES, BITS, SYM) * scale)
-            acc = mma(x, w.to(x.dtype), acc, FP32_DOT)
+            part = weight_mma(x, w.to(x.dtype), part, TRANSPOSED, FP32_DOT)
     if EXACT:
+        part = as_rows(part0, TRANSPOSED)
         if not SYM:
-            part0 -= x_sum0 * zero0.to(tl.float32)
-        acc += part0 * scale0
+            part -= as_rows(x_sum0, TRANSPOSED) * zero0.to(tl.float32)
+        acc += part * scale0
         if TWO:
+            part = as_rows(part1, TRANSPOSED)
             if not SYM:
-                part1 -= x_sum1 * zero1.to(tl.float32)
-            acc += part1 * scale1
+                part -= as_rows(x_sum1, TRANSPOSED) * zero1.to(tl.float32)
+            acc += part * scale1
+    else:
+        acc += as_rows(part, TRANSPOSED)
     return acc
 
 

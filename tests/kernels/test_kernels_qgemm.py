@@ -135,7 +135,8 @@ def test_gemv_every_tuned_config_on_a_real_shape(m):
 @pytest.mark.parametrize("m,config", [
     (17, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 2}),
     (127, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 2}),
-], ids=["m17", "m127"])
+    (127, {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 2}),  # 64-row tiles: the transposed dot
+], ids=["m17", "m127", "m127-bm64"])
 def test_gemm_matches_reference(weight, m, dtype, config):
     qt, pw = weight
     n, k = qt.shape
