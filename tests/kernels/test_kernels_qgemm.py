@@ -189,3 +189,18 @@ def test_unequal_act_order_groups_are_refused():
     qt.g_idx = torch.tensor([0] * 40 + [1] * 24, dtype=torch.int32, device=DEVICE)
     with pytest.raises(QuantkitError, match="exactly 32 columns"):
         repack.repack(qt)
+
+
+@pytest.mark.parametrize("name,block_k", [("w4g128-sym", 128), ("w4g64-sym", 128), ("w8g64-asym-act", 128)])
+def test_tiles_within_groups_round_only_the_output(name, block_k):
+    """A K tile inside one or two groups multiplies x by exact integers and scales the sums (dequant_dot), so an fp16
+    output is the fp32 reference rounded once: equal in nearly every element, never a whole ulp off. Rounding each
+    weight to fp16 first (the tiles across groups, and the first kernels) moves about a third of the outputs."""
+    qt = make_qtensor(*WEIGHTS[name], seed=11)
+    pw = repack.repack(qt)
+    x = torch.randn(16, qt.shape[1], generator=torch.Generator().manual_seed(11)).to(DEVICE, torch.float16)
+    out = dequant_gemv.dequant_gemv(x, pw, config={"BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": 1}).float()
+    exact = x.float() @ dequantize.dequantize_ref(pw)  # fp32, unrounded
+    ulp = torch.finfo(torch.float16).eps * exact.abs().clamp_min(2 ** -14)  # an fp16 ulp at each output, or more
+    assert ((out - exact).abs() <= 0.51 * ulp).float().mean() >= 0.97
+    assert ((out - exact).abs() <= ulp).all()
