@@ -24,7 +24,7 @@ import tempfile
 
 import triton
 
-from quantkit.kernels.triton import aot, dequant_gemv
+from quantkit.kernels.triton import aot, dequant_gemv, dequantize
 
 # (label, activation dtype, bits, group, sym, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps)
 CASES = (
@@ -45,7 +45,8 @@ LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
 def compile_gemv(arch, dtype, bits, group, sym, block_m, block_n, block_k, split, warps):
     consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=False, HAS_BIAS=False, FP32_DOT=False,
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=True, EVEN_N=True)
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=True, EVEN_N=True,
+                  TILE_GROUPS=dequantize.tile_groups(block_k, group))
     ptrs = dict(qw_ptr="i32", s_ptr="fp16", z_ptr="u8", perm_ptr="i32", x_ptr=dtype, bias_ptr=dtype, out_ptr=dtype,
                 ws_ptr="fp32", cnt_ptr="i32")
     return aot.compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts, warps=warps)

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from .common import fp32_dot, quick_bench
-from .dequantize import (EVEN_TILES, check_matmul_inputs, dequant_dot, dequant_matmul_ref, min_block_k, weight_args,
-                         weight_meta)
+from .dequantize import (TILE_FACTS, check_matmul_inputs, dequant_dot, dequant_matmul_ref, min_block_k, tile_groups,
+                         weight_args, weight_meta)
 from .repack import PackedWeight
 
 
@@ -31,12 +31,12 @@ def _configs() -> list[triton.Config]:
 
 def _prune(configs, named_args, **kwargs):
     """Keep K tiles dequant_dot takes and row tiles not far taller than the M bucket (they only multiply
-    padding); when some remain, keep the K tiles inside one group (dequant_dot's exact-integer path)."""
+    padding); when some remain, keep the K tiles on dequant_dot's exact-integer path (tile_groups)."""
     bucket, group_k = named_args["M_BUCKET"], kwargs["GROUP_K"]
     kept = [c for c in configs
             if c.kwargs["BLOCK_M"] <= max(16, bucket) and c.kwargs["BLOCK_K"] >= min_block_k(kwargs["BITS"])]
-    aligned = [c for c in kept if group_k % c.kwargs["BLOCK_K"] == 0]
-    return aligned or kept or configs[:1]
+    exact = [c for c in kept if tile_groups(c.kwargs["BLOCK_K"], group_k)]
+    return exact or kept or configs[:1]
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _gemm_kernel(
     M, N, K, M_BUCKET, stride_xm, stride_om, stride_qw, stride_sg,
     BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
 ):
     # program id -> (pid_m, pid_n), walking GROUP_M row tiles down one column band before moving right
     pid = tl.program_id(0)
@@ -64,7 +64,7 @@ def _gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         acc = dequant_dot(x_ptr, offs_m, mask_m, stride_xm, perm_ptr, acc, qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N,
                           stride_qw, stride_sg, BITS, GROUP_K, SYM, HAS_PERM, BLOCK_K, FP32_DOT, EVEN_K,
-                          EVEN_N)  # fp32 accumulate
+                          EVEN_N, TILE_GROUPS)  # fp32 accumulate
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     # out (m, n) at out_ptr + m * stride_om + n
@@ -75,7 +75,7 @@ def _gemm_kernel(
 # the CPU interpreter cannot time configs: it runs this small one
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 4}
 
-_gemm_even = triton.heuristics(EVEN_TILES)(_gemm_kernel)
+_gemm_even = triton.heuristics(TILE_FACTS)(_gemm_kernel)
 _gemm_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET", "BITS", "GROUP_K"],
                               prune_configs_by={"early_config_prune": _prune}, do_bench=quick_bench,
                               cache_results=True)(_gemm_even)

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from .common import SplitWorkspaces, fp32_dot, quick_bench
-from .dequantize import (EVEN_TILES, check_matmul_inputs, dequant_dot, dequant_matmul_ref, min_block_k, weight_args,
-                         weight_meta)
+from .dequantize import (TILE_FACTS, check_matmul_inputs, dequant_dot, dequant_matmul_ref, min_block_k, tile_groups,
+                         weight_args, weight_meta)
 from .repack import PackedWeight
 
 GEMV_MAX_M = 64  # rows one launch handles: every decode batch bucket up to 64 (more rows go to dequant_gemm)
@@ -53,16 +53,16 @@ def _configs() -> list[triton.Config]:
 
 def _prune(configs, named_args, **kwargs):
     """Keep K tiles dequant_dot takes, splits that leave every program a full K tile and fit the workspace, tiles
-    not far wider than N whose accumulator fits registers, and (when some do) K tiles inside one group (dequant_dot's
-    exact-integer path)."""
+    not far wider than N whose accumulator fits registers, and (when some do) K tiles on dequant_dot's
+    exact-integer path (tile_groups)."""
     k, n, rows, group_k = named_args["K"], named_args["N"], kwargs["BLOCK_M"], kwargs["GROUP_K"]
     kept = [c for c in configs
             if c.kwargs["BLOCK_K"] >= min_block_k(kwargs["BITS"])
             and c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"] <= max(k, c.kwargs["BLOCK_K"])
             and c.kwargs["SPLIT_K"] * rows <= WORKSPACE_ROWS and rows * c.kwargs["BLOCK_N"] <= _MAX_ACC
             and c.kwargs["BLOCK_N"] <= max(_MIN_BLOCK_N, triton.next_power_of_2(n))]
-    aligned = [c for c in kept if group_k % c.kwargs["BLOCK_K"] == 0]
-    return aligned or kept or configs[:1]
+    exact = [c for c in kept if tile_groups(c.kwargs["BLOCK_K"], group_k)]
+    return exact or kept or configs[:1]
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def _gemv_kernel(
     M, N, K, M_BUCKET, stride_xm, stride_om, stride_qw, stride_sg,
     BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -87,7 +87,8 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         acc = dequant_dot(x_ptr, offs_m, mask_m, stride_xm, perm_ptr, acc, qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N,
-                          stride_qw, stride_sg, BITS, GROUP_K, SYM, HAS_PERM, BLOCK_K, FP32_DOT, EVEN_K, EVEN_N)
+                          stride_qw, stride_sg, BITS, GROUP_K, SYM, HAS_PERM, BLOCK_K, FP32_DOT, EVEN_K, EVEN_N,
+                          TILE_GROUPS)
     mask_out = mask_m[:, None] & (offs_n < N)[None, :]
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :]  # (m, n) of out
     if SPLIT_K == 1:
@@ -113,7 +114,7 @@ def _gemv_kernel(
 # the CPU interpreter cannot time configs: it runs this small one
 INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2}
 
-_gemv_even = triton.heuristics(EVEN_TILES)(_gemv_kernel)
+_gemv_even = triton.heuristics(TILE_FACTS)(_gemv_kernel)
 _gemv_tuned = triton.autotune(_configs(), key=["N", "K", "M_BUCKET", "BITS", "GROUP_K"],
                               prune_configs_by={"early_config_prune": _prune},
                               do_bench=quick_bench, cache_results=True)(_gemv_even)

@@ -16,10 +16,20 @@ from .common import mma
 from .repack import PackedWeight
 
 
-# EVEN_K / EVEN_N of the dequant-matmul kernels from the launch's tiles (triton.heuristics: after autotuning picks
-# them): K / N multiples of BLOCK_K / BLOCK_N, so no tile needs masks along them
-EVEN_TILES = {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
-              "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0}
+def tile_groups(block_k: int, group_k: int) -> int:
+    """The groups a K tile of block_k packed rows spans on dequant_dot's exact-integer path: 1 (the tile lies inside
+    one group), 2 (block_k == 2 * group_k), or 0: the tile scales each code and rounds the weight instead."""
+    if group_k % block_k == 0:
+        return 1
+    return 2 if block_k == 2 * group_k else 0
+
+
+# The dequant-matmul kernels' constexprs that follow from the launch's tiles (triton.heuristics: set after autotuning
+# picks them): EVEN_K / EVEN_N, K / N multiples of BLOCK_K / BLOCK_N (no tile needs masks along them), and
+# TILE_GROUPS (tile_groups)
+TILE_FACTS = {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+              "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0,
+              "TILE_GROUPS": lambda args: tile_groups(args["BLOCK_K"], args["GROUP_K"])}
 
 
 def min_block_k(bits: int) -> int:
@@ -179,17 +189,18 @@ def dequant_dot(
     perm_ptr, acc,  # perm int32 [K] (read when HAS_PERM): x column of each packed row; acc [BM, BN] fp32
     qw_ptr, s_ptr, z_ptr, k0, offs_n, K, N, stride_qw, stride_sg,
     BITS: tl.constexpr, GROUP_K: tl.constexpr, SYM: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    FP32_DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
 ):
     """-> acc + x @ W'[packed rows k0 .. k0 + BLOCK_K, offs_n] on the tensor cores (fp32 accumulate),
-    BLOCK_K >= min_block_k(BITS); EVEN_K / EVEN_N: K / N are multiples of the tile (no masks along them).
+    BLOCK_K >= min_block_k(BITS); EVEN_K / EVEN_N: K / N are multiples of the tile (no masks along them);
+    TILE_GROUPS: tile_groups(BLOCK_K, GROUP_K).
 
     One dot per pair of code positions (i, i + P/2) of the tile's [BLOCK_K / P, BN] words: operand row r = 2w + h
     is packed row k0 + w*P + i + h*P/2, against x's matching columns [BM, 2 * BLOCK_K / P]. The two positions come
     from one shift and mask (position_values) and sit side by side as the tensor cores read them (interleave_rows),
     so the decoded weight never goes through shared memory (the [BK/P, P, BN] -> [BK, BN] reshape of the first
-    kernels did, one 16-bit store per weight). A tile inside one group, or across two (BLOCK_K == 2 * GROUP_K: its
-    first half of words in one, the second in the next; x's columns of the other half are zeroed for each group's
+    kernels did, one 16-bit store per weight). A tile inside one group, or across two (TILE_GROUPS 2: its first half
+    of words in one, the second in the next; x's columns of the other half are zeroed for each group's
     dot), multiplies x by exact integers, code - zero when SYM, else the code itself with zero * sum(x) taken off
     after, and scales each group's [BM, BN] sum by its row once. Any other tile scales each code by its word's group
     (GROUP_K % P == 0: a word never straddles groups) and rounds W' to x's dtype once, as (code - zero) * scale in
@@ -197,8 +208,8 @@ def dequant_dot(
     P: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = P // 2
     BKW: tl.constexpr = BLOCK_K // P
-    TWO: tl.constexpr = BLOCK_K == 2 * GROUP_K
-    EXACT: tl.constexpr = GROUP_K % BLOCK_K == 0 or TWO
+    TWO: tl.constexpr = TILE_GROUPS == 2
+    EXACT: tl.constexpr = TILE_GROUPS > 0
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     TRANSPOSED: tl.constexpr = BLOCK_M >= 64  # weight_mma; the partial sums are [BN, BM] then
@@ -328,7 +339,7 @@ def check_matmul_inputs(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | 
 #   out_ptr   [M, N] x.dtype, row stride stride_om, column stride 1
 #   M, N, K, M_BUCKET (an autotune key only), stride_xm, stride_om, stride_qw, stride_sg (weight strides)
 #   BITS, GROUP_K, SYM, HAS_PERM (weight_meta), HAS_BIAS, FP32_DOT (common.fp32_dot), then each kernel's tiles,
-#   then EVEN_K, EVEN_N (EVEN_TILES)
+#   then EVEN_K, EVEN_N, TILE_GROUPS (TILE_FACTS)
 def weight_args(pw: PackedWeight) -> tuple:
     """(qweight, scales, zeros, perm) kernel pointers; a dummy for perm when there is none (HAS_PERM=False)."""
     return pw.qweight, pw.scales, pw.zeros, pw.perm if pw.perm is not None else pw.qweight

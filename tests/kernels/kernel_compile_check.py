@@ -40,11 +40,13 @@ def dequant_gemm_kernels(arch: int) -> None:
              (8, 32, False, True, 16, "bf16", False)]
     for bits, group, sym, perm, block_m, dtype, even in cases:
         consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=perm, HAS_BIAS=True, FP32_DOT=False,
-                      BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, EVEN_K=even, EVEN_N=even)
+                      BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, EVEN_K=even, EVEN_N=even,
+                      TILE_GROUPS=dequantize.tile_groups(128, group))
         ptrs = {**WEIGHT_PTRS, **act_ptrs(dtype, "x_ptr", "bias_ptr", "out_ptr"), "ws_ptr": "fp32", "cnt_ptr": "i32"}
         compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts)
         consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=perm, HAS_BIAS=False, FP32_DOT=False,
-                      BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, EVEN_K=even, EVEN_N=even)
+                      BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, EVEN_K=even, EVEN_N=even,
+                      TILE_GROUPS=dequantize.tile_groups(128, group))
         compile_for(arch, dequant_gemm._gemm_kernel, {**WEIGHT_PTRS, **act_ptrs(dtype, "x_ptr", "bias_ptr", "out_ptr")},
                     consts, warps=4, stages=4)
     compile_for(arch, dequantize._dequantize_kernel, {**WEIGHT_PTRS, "out_ptr": "fp16"},
