@@ -21,9 +21,9 @@ from .repack import PackedWeight
 def _configs() -> list[triton.Config]:
     """Candidate tiles for H100/H200/A100-class GPUs (autotuned per (N, K, M bucket), cached on disk)."""
     shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_K >= min_block_k(4)
-        (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 128, 4, 4),
-        (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3),
-        (128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (256, 64, 128, 8, 3),
+        (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+        (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3),
+        (128, 128, 64, 8, 3), (128, 256, 128, 8, 2), (256, 64, 128, 8, 3),
     ]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for bm, bn, bk, w, s in shapes]

@@ -45,8 +45,8 @@ def block_m(m: int) -> int:
 
 def _configs() -> list[triton.Config]:
     """Candidate tiles (BLOCK_N, BLOCK_K, warps) x splits for H100/H200/A100-class GPUs, autotuned per (N, K,
-    M bucket, bits, group); _prune keeps at most 24 per key (fewer above 16 rows), about a minute of tuning."""
-    tiles = ((64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 256, 4), (128, 256, 8))
+    M bucket, bits, group); _prune keeps at most 28 per key (fewer above 16 rows), about a minute of tuning."""
+    tiles = ((128, 64, 4), (256, 64, 8), (64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (128, 256, 8))
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=3)
             for bn, bk, warps in tiles for split in (1, 4, 8, 16)]
 

@@ -33,8 +33,9 @@ TILE_FACTS = {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
 
 
 def min_block_k(bits: int) -> int:
-    """The smallest K tile dequant_dot takes: 16 packed rows per code position (tl.dot's K >= 16)."""
-    return 16 * (32 // bits)
+    """The smallest K tile dequant_dot takes: 8 words, whose pairs of code positions make a 16-row operand (tl.dot's
+    K >= 16)."""
+    return 8 * (32 // bits)
 
 
 @triton.jit
@@ -59,12 +60,13 @@ def tile_words(qw_ptr, k0, offs_n, K, N, stride_qw, BITS: tl.constexpr, BLOCK_K:
 def group_params(s_ptr, z_ptr, k0, rows, offs_n, K, N, stride_sg, BITS: tl.constexpr, GROUP_K: tl.constexpr,
                  SYM: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN: tl.constexpr):
     """(zero, scale fp32) of packed rows `rows` [R] x offs_n: ONE_GROUP (the rows all lie in group k0 // GROUP_K)
-    one [1, BN] row each, else gathered per row, [R, BN] (rows past K: scale 0; EVEN: none are, nor columns past
-    N). zero: the constant 2^(BITS-1) when SYM, else the uint8 zeros."""
+    one [1, BN] row each, else gathered per row, [R, BN] (rows past K: scale 0, as is a group from k0 >= K; EVEN:
+    none are, nor columns past N). zero: the constant 2^(BITS-1) when SYM, else the uint8 zeros."""
     mask_n = (offs_n < N) | EVEN
     if ONE_GROUP:
         offs = (k0 // GROUP_K) * stride_sg + offs_n[None, :]  # [1, BN]
-        mask = mask_n[None, :]
+        mask = (mask_n & ((k0 + 0 * offs_n < K) | EVEN))[None, :]  # a tensor compare: the interpreter mistypes
+        # a vector mask & a scalar one
     else:
         offs = (rows // GROUP_K)[:, None] * stride_sg + offs_n[None, :]  # [R, BN]
         mask = ((rows < K) | EVEN)[:, None] & mask_n[None, :]

@@ -83,13 +83,13 @@ def test_dequantize_exact(weight):
     assert torch.equal(half, expected.half())
 
 
-# (M, config, bias): split-K of 1, 2 and an uneven 3 (past K = 256: empty splits), 128- and 256-row K tiles (one
-# group or several per tile), M = 1 / 3 / 16 / 20 / 64 (16-, 32- and 64-row tiles; 64 x 4 splits fills the
+# (M, config, bias): split-K of 1, 2 and an uneven 3 (past K = 256: empty splits), 64-, 128- and 256-row K tiles
+# (one group or several per tile), M = 1 / 3 / 16 / 20 / 64 (16-, 32- and 64-row tiles; 64 x 4 splits fills the
 # workspace); each in fp16 and bf16
 GEMV_CASES = {
     "m1-k1": (1, {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1}, False),
     "m1-k3": (1, {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 3}, True),
-    "m3-k2": (3, {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2}, False),
+    "m3-k2": (3, {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2}, False),
     "m16-k1": (16, {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1}, True),
     "m20-k2": (20, {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2}, True),
     "m64-k4": (64, {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}, False),
@@ -191,16 +191,19 @@ def test_unequal_act_order_groups_are_refused():
         repack.repack(qt)
 
 
-@pytest.mark.parametrize("name,block_k", [("w4g128-sym", 128), ("w4g64-sym", 128), ("w8g64-asym-act", 128)])
+@pytest.mark.parametrize("name,block_k", [("w4g128-sym", 128), ("w4g64-sym", 128), ("w8g64-asym-act", 128),
+                                          ("w4g32-sym", 64)])
 def test_tiles_within_groups_round_only_the_output(name, block_k):
     """A K tile inside one or two groups multiplies x by exact integers and scales the sums (dequant_dot), so an fp16
     output is the fp32 reference rounded once: equal in nearly every element, never a whole ulp off. Rounding each
-    weight to fp16 first (the tiles across groups, and the first kernels) moves about a third of the outputs."""
+    weight to fp16 first (the tiles across more groups, and the first kernels) moves about a quarter of them, some by
+    hundreds of ulps near 0."""
     qt = make_qtensor(*WEIGHTS[name], seed=11)
     pw = repack.repack(qt)
     x = torch.randn(16, qt.shape[1], generator=torch.Generator().manual_seed(11)).to(DEVICE, torch.float16)
     out = dequant_gemv.dequant_gemv(x, pw, config={"BLOCK_N": 32, "BLOCK_K": block_k, "SPLIT_K": 1}).float()
     exact = x.float() @ dequantize.dequantize_ref(pw)  # fp32, unrounded
-    ulp = torch.finfo(torch.float16).eps * exact.abs().clamp_min(2 ** -14)  # an fp16 ulp at each output, or more
+    # an fp16 ulp at each output, or more; near 0 at least 2^-19, the fp32 sums' own error there
+    ulp = torch.finfo(torch.float16).eps * exact.abs().clamp_min(2 ** -9)
     assert ((out - exact).abs() <= 0.51 * ulp).float().mean() >= 0.97
     assert ((out - exact).abs() <= ulp).all()
