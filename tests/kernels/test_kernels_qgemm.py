@@ -124,7 +124,7 @@ def test_gemv_every_tuned_config_on_a_real_shape(m):
     x = torch.randn(m, 4096, generator=gen).to(DEVICE, torch.float16)
     ref = dequant_gemv.dequant_gemv_ref(x, pw)
     configs = dequant_gemv._prune(dequant_gemv._configs(), {"N": 14336, "K": 4096},
-                                  BLOCK_M=dequant_gemv.block_m(m), GROUP_K=pw.group_k)
+                                  BLOCK_M=dequant_gemv.block_m(m), GROUP_K=pw.group_k, BITS=pw.bits)
     for c in configs:
         for _ in range(5):
             out = dequant_gemv.dequant_gemv(x, pw, config=dict(c.kwargs))

@@ -28,8 +28,9 @@ def dense_reference(q, k, v, first_pos, scale, window, softcap):
     """models/attention.py's masked_attention on unpaged K/V: q [L, Hq, D] at positions first_pos.., k/v [T, Hkv, D]
     -> [L, Hq, D] fp32."""
     spec = AttentionSpec(scale, window or None, softcap or None)
-    pos = first_pos + torch.arange(q.shape[0])
-    allowed = window_mask(pos[:, None], torch.arange(k.shape[0])[None, :], spec.sliding_window)[None, None]
+    pos = first_pos + torch.arange(q.shape[0], device=q.device)
+    keys = torch.arange(k.shape[0], device=q.device)
+    allowed = window_mask(pos[:, None], keys[None, :], spec.sliding_window)[None, None]
     out = masked_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
                            v.float().transpose(0, 1)[None], allowed, spec)
     return out[0].transpose(0, 1)
