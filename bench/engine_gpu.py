@@ -71,7 +71,7 @@ def build(shape: str, scheme: str, device: str, dtype=None):
               **SHAPES[shape])
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(ModelConfig.from_hf(hf))
+        model = LlamaForCausalLM(ModelConfig.from_hf(hf)).to(device)  # the RoPE frequencies are built on CPU
     with torch.no_grad():  # transformers' Llama init (initializer_range 0.02): logits of a realistic scale
         for p in model.parameters():
             if p.dim() == 2:
