@@ -51,7 +51,9 @@ def compile_gemv(arch, dtype, bits, group, sym, block_m, block_n, block_k, split
                   TILE_GROUPS=dequantize.tile_groups(block_k, group))
     ptrs = dict(qw_ptr="i32", s_ptr="fp16", z_ptr="u8", perm_ptr="i32", x_ptr=dtype, bias_ptr=dtype, out_ptr=dtype,
                 ws_ptr="fp32", cnt_ptr="i32")
-    return aot.compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts, warps=warps)
+    # a launch on the 4096 x 14336 layers: every pointer and every size but M (the rows) a multiple of 16
+    aligned = (*ptrs, "N", "K", "M_BUCKET", "stride_xm", "stride_om", "stride_qw", "stride_sg")
+    return aot.compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts, warps=warps, aligned=aligned)
 
 
 def disassemble(cubin: bytes) -> str:

@@ -10,10 +10,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile_for(arch: int, fn, pointers: dict, consts: dict, floats=(), wide=(), warps=4, stages=3):
+def compile_for(arch: int, fn, pointers: dict, consts: dict, floats=(), wide=(), warps=4, stages=3,
+                aligned=()):
     """`fn` compiled for sm_<arch> -> triton's CompiledKernel (asm["cubin"], metadata.shared): pointer args typed by
     `pointers` (name -> triton dtype string such as "fp16"), `floats` fp32 scalars, `wide` int64 scalars, every
-    other non-constexpr argument int32."""
+    other non-constexpr argument int32. `aligned`: the arguments known divisible by 16 (a pointer: its address in
+    bytes), as the JIT specialises a launch whose values are (what lets it vectorise loads)."""
     signature = {}
     for name in fn.arg_names:
         if name in consts:
@@ -22,6 +24,7 @@ def compile_for(arch: int, fn, pointers: dict, consts: dict, floats=(), wide=(),
             signature[name] = "*" + pointers[name]
         else:
             signature[name] = "fp32" if name in floats else "i64" if name in wide else "i32"
-    source = ASTSource(fn=fn, signature=signature, constexprs=consts)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)

@@ -186,6 +186,33 @@ def as_rows(part, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def position_columns(x_tile, i: tl.constexpr):
+    """x_tile [BM, BKW, 2, HALF] (HALF 2 or 4) -> x_tile[:, :, :, i] as [BM, 2 BKW], row-major over (word, half):
+    the x columns of dequant_dot's operand rows for code positions (i, i + HALF), by splits in registers (a gather
+    from memory per position, as the first kernels loaded them, waited out an L2 round trip four times a tile)."""
+    BM: tl.constexpr = x_tile.shape[0]
+    BKW: tl.constexpr = x_tile.shape[1]
+    HALF: tl.constexpr = x_tile.shape[3]
+    if HALF == 4:  # i = 2 * high + low: split off the low bit, then the high one
+        low0, low1 = tl.split(tl.reshape(x_tile, (BM, BKW, 2, 2, 2)))
+        if i % 2 == 0:
+            high0, high1 = tl.split(low0)
+        else:
+            high0, high1 = tl.split(low1)
+        if i // 2 == 0:
+            x = high0
+        else:
+            x = high1
+    else:
+        x0, x1 = tl.split(x_tile)
+        if i == 0:
+            x = x0
+        else:
+            x = x1
+    return tl.reshape(x, (BM, 2 * BKW))
+
+
+@triton.jit
 def dequant_dot(
     x_ptr, offs_m, mask_m, stride_xm,  # x [M, K] fp16/bf16 and the tile's rows offs_m [BM] (mask_m: < M)
     perm_ptr, acc,  # perm int32 [K] (read when HAS_PERM): x column of each packed row; acc [BM, BN] fp32
@@ -198,7 +225,8 @@ def dequant_dot(
     TILE_GROUPS: tile_groups(BLOCK_K, GROUP_K).
 
     One dot per pair of code positions (i, i + P/2) of the tile's [BLOCK_K / P, BN] words: operand row r = 2w + h
-    is packed row k0 + w*P + i + h*P/2, against x's matching columns [BM, 2 * BLOCK_K / P]. The two positions come
+    is packed row k0 + w*P + i + h*P/2, against x's matching columns [BM, 2 * BLOCK_K / P] (without HAS_PERM split
+    from one contiguous load of x's [BM, BLOCK_K] tile, position_columns; with it gathered). The two positions come
     from one shift and mask (position_values) and sit side by side as the tensor cores read them (interleave_rows),
     so the decoded weight never goes through shared memory (the [BK/P, P, BN] -> [BK, BN] reshape of the first
     kernels did, one 16-bit store per weight). A tile inside one group, or across two (TILE_GROUPS 2: its first half
@@ -245,16 +273,22 @@ def dequant_dot(
                                    False, EVEN_K and EVEN_N)  # [BKW, BN]: the group of each word
         scale = scale.to(CODES)  # exact (fp16 scales)
         part = tl.zeros((PART_R, PART_C), dtype=tl.float32)
+    # x (m, col) at x_ptr + m * stride_xm + col; evict_last: every column tile re-reads x
+    if not HAS_PERM:  # the tile's columns in one contiguous load, split into positions in registers
+        cols = k0 + tl.arange(0, BLOCK_K)  # [BK] = (w, h, i) flattened: packed row k0 + w*P + h*HALF + i
+        x_tile = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                         mask=mask_m[:, None] & ((cols < K) | EVEN_K)[None, :], other=0.0,
+                         eviction_policy="evict_last")  # [BM, BK]
+        x_tile = tl.reshape(x_tile, (BLOCK_M, BKW, 2, HALF))
     for i in tl.static_range(HALF):
-        rows = k0 + (offs_r // 2) * P + i + (offs_r % 2) * HALF  # [2 BKW] packed row of each operand row
-        mask_k = (rows < K) | EVEN_K
         if HAS_PERM:
+            rows = k0 + (offs_r // 2) * P + i + (offs_r % 2) * HALF  # [2 BKW] packed row of each operand row
+            mask_k = (rows < K) | EVEN_K
             cols = tl.load(perm_ptr + rows, mask=mask_k, other=0)  # x column of each packed row
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                        other=0.0, eviction_policy="evict_last")  # [BM, 2 BKW]
         else:
-            cols = rows
-        # x (m, col) at x_ptr + m * stride_xm + col; evict_last: every column tile re-reads x
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0, eviction_policy="evict_last")  # [BM, 2 BKW]
+            x = position_columns(x_tile, i)
         if EXACT:
             q = interleave_rows(position_values(words, i, ZERO_CODE, CODES, BITS, True),
                                 position_values(words, i + HALF, ZERO_CODE, CODES, BITS, True))  # [2 BKW, BN]
