@@ -35,6 +35,7 @@ from .repack import PackedWeight
 GEMV_MAX_M = 64  # rows one launch handles: every decode batch bucket up to 64 (more rows go to dequant_gemm)
 _MIN_BLOCK_N = 32  # no config has a smaller BLOCK_N: sizes the counter array
 WORKSPACE_ROWS = 256  # SPLIT_K * BLOCK_M of every config: the workspace holds [WORKSPACE_ROWS, N] fp32
+GEMV_STAGES = 4  # software-pipeline depth of every config (_configs)
 _MAX_ACC = 64 * 128  # fp32 accumulator elements per program (BLOCK_M * BLOCK_N) that fit sm_90 registers
 
 
@@ -45,9 +46,11 @@ def block_m(m: int) -> int:
 
 def _configs() -> list[triton.Config]:
     """Candidate tiles (BLOCK_N, BLOCK_K, warps) x splits for H100/H200/A100-class GPUs, autotuned per (N, K,
-    M bucket, bits, group); _prune keeps at most 28 per key (fewer above 16 rows), about a minute of tuning."""
+    M bucket, bits, group); _prune keeps at most 28 per key (fewer above 16 rows), about a minute of tuning.
+    Four stages: the K loop waits for its current tile while the next two tiles' words and x are in flight (sm_90
+    SASS: DEPBAR.LE SB0, 0x4; three stages keep one tile ahead; a streaming program needs the bytes in flight)."""
     tiles = ((128, 64, 4), (256, 64, 8), (64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (128, 256, 8))
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=3)
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=GEMV_STAGES)
             for bn, bk, warps in tiles for split in (1, 4, 8, 16)]
 
 

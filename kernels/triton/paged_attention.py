@@ -39,12 +39,12 @@ LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64  # tokens per K/V tile on a GPU (a 64 x 128 fp16 tile is 16 KiB)
 MIN_TILES_PER_SPLIT = 4  # a split streams at least this many K/V tiles (when the context has them)
 PROGRAMS_PER_SM = 2  # split the context until S * Hkv * splits fills the GPU this many times over (2 fit an SM)
-# Software-pipeline depth of the split kernel's loop. Compiled for sm_90 (Triton
-# 3.9; head_dim 128 fp16, BLOCK_N 64, 8 warps): num_stages 2 buffers one K and one V tile in shared memory
-# (2 x 64 x 128 x 2 B = 32 KiB) and loads each tile's block-table slice in the loop; 3 also prefetches the next
-# slice (the K/V addresses depend on it): 38 KiB of shared memory either way; 5 would double-buffer K and V
-# (70.5 KiB). All far below the 227 KiB one block may use, and two programs (PROGRAMS_PER_SM) fit one 228 KiB SM.
-DECODE_STAGES = 3
+# Software-pipeline depth of the split kernel's loop. Compiled for sm_90 (Triton 3.6 and 3.9; head_dim 128 fp16,
+# BLOCK_N 64, 8 warps; bench/gpu_sass.py's way): with 2 to 4 stages the loop opens by waiting for every copy in
+# flight (DEPBAR.LE SB0, 0x0), so each tile's K/V load latency is exposed, one tile after another; 5 double-buffers
+# K and V: the loop waits for the current tile only (0x3: the next tile's K, V and block-table copies stay in
+# flight). 70.5 KiB of shared memory: two programs (PROGRAMS_PER_SM) fit one 228 KiB SM (sm_90) or 164 KiB (sm_80).
+DECODE_STAGES = 5
 # fp32 partials the merging program loads at once: 16 a thread at 8 warps keeps the kernel at ~100 registers on
 # sm_90 (8192: 116 to 128), under the 128 that let two 8-warp programs share an SM
 MERGE_TILE = 4096

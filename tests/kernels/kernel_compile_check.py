@@ -43,7 +43,7 @@ def dequant_gemm_kernels(arch: int) -> None:
                       BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, EVEN_K=even, EVEN_N=even,
                       TILE_GROUPS=dequantize.tile_groups(128, group))
         ptrs = {**WEIGHT_PTRS, **act_ptrs(dtype, "x_ptr", "bias_ptr", "out_ptr"), "ws_ptr": "fp32", "cnt_ptr": "i32"}
-        compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts)
+        compile_for(arch, dequant_gemv._gemv_kernel, ptrs, consts, stages=dequant_gemv.GEMV_STAGES)
         consts = dict(BITS=bits, GROUP_K=group, SYM=sym, HAS_PERM=perm, HAS_BIAS=False, FP32_DOT=False,
                       BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, EVEN_K=even, EVEN_N=even,
                       TILE_GROUPS=dequantize.tile_groups(128, group))
