@@ -16,7 +16,9 @@ gathered blocks), both in bfloat16, against the same model in float32: the large
 tokens' logprobs (prefill kernel) and of the generated tokens' logprobs up to the first differing token (decode
 kernel); then a seeded
 top-p/top-k sampling run with n=2 (the sampler's device path).
-Prints one JSON line per run and a markdown table last; --out gets every figure (atomic write).
+After each timed run, `quantkit bench step`'s table of that engine (--step-batches): per decode step the wall
+time, the time the GPU was busy, the host's remainder and the memory floor. Prints one JSON line per run and a
+markdown table last; --out gets every figure (atomic write).
 """
 
 from __future__ import annotations
@@ -170,6 +172,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--device", default="cuda", help="cuda (cpu only checks the script, on a tiny shape)")
     ap.add_argument("--profile", action="store_true", help="also cProfile 16 steps of each engine")
+    ap.add_argument("--step-batches", default="1,8,64",
+                    help="`quantkit bench step`'s table of each engine at these batch sizes (GPU busy time, the "
+                         "host's remainder, the memory floor); empty: none")
     ap.add_argument("--kv-cache-gib", type=float, default=24.0, help="KV pool per engine")
     ap.add_argument("--out", type=Path, default=Path("engine_gpu.json"))
     args = ap.parse_args()
@@ -180,6 +185,7 @@ def main() -> int:
     from engine_throughput import run
 
     from quantkit.atomic import write_json
+    from quantkit.benchmark.step import format_table, profile_steps
     from transformers import AutoTokenizer
 
     import torch
@@ -215,10 +221,14 @@ def main() -> int:
             name = scheme if scheme == "bf16" else f"{scheme}g{group_size(shape)}"
             row = {"shape": shape, "scheme": name, "num_prompts": len(prompts), "output_len": args.output_len,
                    "build_s": built, "ready_s": ready, "warm_s": warm, **r}
+            if args.step_batches:
+                row["step_profile"] = profile_steps(llm.engine, [int(b) for b in args.step_batches.split(",")])
+                print(f"{shape} {name}, decode steps:\n{format_table(row['step_profile'])}", flush=True)
             if args.device != "cpu":
                 row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             results["runs"].append(row)
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()
+                              if k != "step_profile"}), flush=True)
             write_json(args.out, results)
             del llm, model
             free()

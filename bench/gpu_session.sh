@@ -10,7 +10,8 @@
 # Stages: tests (the Triton kernel tests, QLinear's CUDA test and a decode-graph capture and replay, compiled for
 # the GPU: TRITON_INTERPRET=0),
 # kernels (bench/gpu_kernels.py --quick), engine (bench/engine_gpu.py on the SmolLM2-135M shape: attention check, bf16,
-# W4, W8; ENGINE_ARGS=--profile adds a cProfile of each), engine8b (the Llama-3-8B shape: bf16, W4, W8),
+# W4, W8; ENGINE_ARGS=--profile adds a cProfile of each), engine8b (the Llama-3-8B shape: bf16, W4, W8); both
+# print each engine's step table at batch 1, 8, 64 (GPU busy time, the host's remainder, the memory floor),
 # py:FILE (python3 .gpu/FILE: a one-off diagnosis carried with the inputs).
 # Each stage runs under its own time limit and writes OUT/<stage>.log (and .json); a stage that fails or runs out
 # of time does not stop the next. The machine has the image's torch/triton/transformers but no pip access, so the

@@ -3,21 +3,26 @@
 For each batch size B: B requests of random prompt tokens (greedy, ignore_eos) are added and prefilled, a few
 warm-up steps run, then `steps` decode steps are timed. Per step (means over the timed steps):
   wall     engine.step()'s wall time (schedule, forward, sampling, outputs)
-  kernels  time inside the compute kernels during those steps: every call into the C kernels (the functions of
-           each library kernels/cpu/build.py loaded, and the attention backend's decode/prefill kernels), torch's
-           F.linear and F.scaled_dot_product_attention, and torch's packed int4/int8 kernels (tinygemm.matmul);
-           outermost calls only, so nothing counts twice and kernels <= wall (a step replayed from its plan,
-           serve/cpu_step_plans.py, is one call: run_plan)
-  host     wall - kernels: Python, scheduling, sampling, the small torch ops and the launchers' own checks
+  kernels  on CPU, time inside the compute kernels during those steps: every call into the C kernels (the
+           functions of each library kernels/cpu/build.py loaded, and the attention backend's decode/prefill
+           kernels), torch's F.linear and F.scaled_dot_product_attention, and torch's packed int4/int8 kernels
+           (tinygemm.matmul); outermost calls only, so nothing counts twice and kernels <= wall (a step replayed
+           from its plan, serve/cpu_step_plans.py, is one call: run_plan). On CUDA, the time the GPU was busy:
+           the union of every kernel's, copy's and fill's interval on the device (torch.profiler's CUDA activity,
+           CUDA-graph replays included)
+  host     wall - kernels: Python, scheduling, sampling, the small torch ops and the launchers' own checks; on
+           CUDA, the time the GPU waited for the host (the host's CPU time says nothing there: a synchronising
+           host spins, so its CPU time equals the wall time whoever sets the pace)
   floor    the bytes one step must read (the weights the kernels stream, model.stream_bytes below, plus the KV
            cache of the batch's contexts) over the bandwidth of a large tensor copy (read + written bytes / time)
-The timing wrappers cost ~1 us per kernel call, included in wall and host. Under the table: the bandwidth, and
+The CPU timing wrappers cost ~1 us per kernel call, included in wall and host. Under the table: the bandwidth, and
 per batch size the kernels taking the most time per step (calls per step in brackets; C functions by their C name).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import random
 import time
 from contextlib import contextmanager
@@ -82,6 +87,40 @@ class KernelTimer:
                 setattr(obj, name, fn)
 
 
+class DeviceKernelTimer:
+    """KernelTimer's interface on CUDA: seconds = the time the GPU was busy while active (module docstring)."""
+
+    def __init__(self):
+        self.seconds, self.calls = 0.0, 0
+        self.by_name: dict[str, list] = {}  # kernel name -> [seconds, launches]
+
+    @contextmanager
+    def active(self):
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            yield self
+            torch.cuda.synchronize()
+        spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA]  # microseconds
+        for start, end, name in spans:
+            entry = self.by_name.setdefault(name, [0.0, 0])
+            entry[0] += (end - start) / 1e6
+            entry[1] += 1
+        self.seconds, self.calls = busy_seconds([(start, end) for start, end, _ in spans]), len(spans)
+
+
+def busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of intervals (start, end) in microseconds, in seconds."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e6
+
+
 def stream_bytes(model: nn.Module) -> int:
     """Bytes of weights a decode step reads: each linear's kernel weight (PackedLinear's packed copy, QLinear's
     backend copies in use, else its buffers; plain Linear weights) and every other parameter except embedding
@@ -97,6 +136,8 @@ def stream_bytes(model: nn.Module) -> int:
         elif isinstance(obj, (list, tuple)):
             for item in obj:
                 add(item)
+        elif dataclasses.is_dataclass(obj):  # the Triton kernels' PackedWeight
+            add([getattr(obj, f.name) for f in dataclasses.fields(obj)])
 
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     linear_weights = set()
@@ -115,17 +156,24 @@ def stream_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 3) -> float:
-    """Bytes per second of a large tensor copy (read + written bytes over the best time of `repeats`)."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
+def copy_bandwidth(device: torch.device = torch.device("cpu"), nbytes: int = 256 << 20, repeats: int = 3) -> float:
+    """Bytes per second of a large tensor copy on `device` (read + written bytes over the best of `repeats`)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.zeros_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def profile_batch(engine: Any, batch: int, prompt_len: int, steps: int, warmup: int = 2, seed: int = 0) -> dict:
@@ -147,7 +195,7 @@ def profile_batch(engine: Any, batch: int, prompt_len: int, steps: int, warmup: 
             started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
         for _ in range(warmup):
             engine.step()
-        timer = KernelTimer(engine.runner)
+        timer = DeviceKernelTimer() if engine.runner.device.type == "cuda" else KernelTimer(engine.runner)
         with timer.active():
             start = time.perf_counter()
             for _ in range(steps):
@@ -167,7 +215,7 @@ def profile_steps(engine: Any, batches: list[int], prompt_len: int = 128, steps:
     """One row per batch size (module docstring), with the floor over `bandwidth` (copy_bandwidth() when None)."""
     rows = [profile_batch(engine, b, prompt_len, steps) for b in batches]
     weights = stream_bytes(engine.runner.model)  # after the forwards: QLinear builds its kernel copies lazily
-    bandwidth = bandwidth or copy_bandwidth()
+    bandwidth = bandwidth or copy_bandwidth(engine.runner.device)
     for row in rows:
         row.update(weight_bytes=weights, bandwidth=bandwidth, floor_s=(weights + row["kv_bytes"]) / bandwidth)
     return rows

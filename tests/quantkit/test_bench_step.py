@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from typer.testing import CliRunner
 
-from quantkit.benchmark.step import COLUMNS, KernelTimer, format_table, profile_steps, stream_bytes
+from quantkit.benchmark.step import COLUMNS, KernelTimer, busy_seconds, format_table, profile_steps, stream_bytes
 from quantkit.cli import _typer_app
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig
 from quantkit.serve.config import EngineConfig
@@ -48,6 +48,28 @@ def test_weights_count_what_a_step_streams():
     model = tiny_engine().runner.model
     expected = sum(p.numel() * 4 for name, p in model.named_parameters() if "embed_tokens" not in name)
     assert stream_bytes(model) == expected
+
+
+def test_a_triton_weight_counts_its_packed_tensors():
+    """On CUDA a QLinear streams its Triton PackedWeight (a dataclass): its qweight, scales and zeros, once."""
+    from quantkit.config import QuantScheme
+    from quantkit.kernels.triton.repack import repack_ref
+    from quantkit.quant.qlinear import QLinear
+    from quantkit.quant.scheme import quantize_rtn
+
+    qt = quantize_rtn(torch.randn(64, 256), QuantScheme(bits=4, group_size=128, sym=True))
+    layer = QLinear.from_qtensor(qt)
+    pw = repack_ref(qt)
+    layer._prepared["triton"] = pw  # what QLinear.prepared("triton") holds on a GPU
+    assert stream_bytes(torch.nn.Sequential(layer)) == sum(t.nbytes for t in (pw.qweight, pw.scales, pw.zeros))
+    assert pw.qweight.nbytes == 256 * 64 // 2 and pw.scales.nbytes == 2 * 64 * 2
+
+
+def test_busy_time_is_the_union_of_the_kernels_intervals():
+    """DeviceKernelTimer's busy time (microsecond spans -> seconds): overlaps and nested spans count once."""
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(20.0, 30.0), (0.0, 10.0), (5.0, 15.0), (22.0, 25.0)]) == 25e-6
+    assert busy_seconds([(0.0, 4.0), (4.0, 6.0)]) == 6e-6
 
 
 def test_timer_restores_what_it_wrapped():
