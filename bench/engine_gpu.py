@@ -4,12 +4,13 @@ has no model files, no data sets and no network.
     python bench/engine_gpu.py --prepare DIR     # here: DIR/tokenizer/ (the bundled model's) + DIR/prompts.json
                                                  #   (chat-templated ShareGPT prompts, the ones serve_vs_naive sends)
     python bench/engine_gpu.py --inputs DIR [--shapes smollm2-135m,llama3-8b] [--schemes bf16,w4,w8]
-                               [--num-prompts 64] [--output-len 128] [--out engine_gpu.json]
+                               [--num-prompts 64] [--output-len 128] [--eager] [--out engine_gpu.json]
 
 Greedy with ignore_eos: every request produces exactly --output-len tokens whatever the weights are, so a random
 model of a real shape does the same work per step as the trained one. Weights: N(0, 0.02) as transformers
 initializes Llama, in bfloat16; W4/W8 are RTN (symmetric, group 128, or 64 where 128 does not divide a width)
-of those weights, served through QLinear's Triton kernels.
+of those weights, served through QLinear's Triton kernels. The timed engines replay CUDA graphs of their decode
+steps (--eager: not; the sixteenth session's H200 figures, BENCHMARKS.md, were eager: the option was off).
 
 Before the timed runs, on the first shape: the Triton paged-attention backend and the torch one (SDPA over
 gathered blocks), both in bfloat16, against the same model in float32: the largest difference of the prompt
@@ -176,6 +177,9 @@ def main() -> int:
                     help="`quantkit bench step`'s table of each engine at these batch sizes (GPU busy time, the "
                          "host's remainder, the memory floor); empty: none")
     ap.add_argument("--kv-cache-gib", type=float, default=24.0, help="KV pool per engine")
+    ap.add_argument("--eager", action="store_true",
+                    help="every step eagerly (EngineConfig.cuda_graphs off, its default); without it the timed "
+                         "engines replay CUDA graphs of their decode steps")
     ap.add_argument("--out", type=Path, default=Path("engine_gpu.json"))
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -210,7 +214,8 @@ def main() -> int:
             model, hf = build(shape, scheme, args.device)
             built = time.perf_counter() - t0
             backend = "torch" if args.device == "cpu" else "auto"
-            llm = engine(model, hf, tokenizer, args.inputs, kv_bytes, attention_backend=backend)
+            llm = engine(model, hf, tokenizer, args.inputs, kv_bytes, attention_backend=backend,
+                         cuda_graphs=not args.eager)
             ready = time.perf_counter() - t0
             run(llm, prompts[:4], 8)  # warm-up: kernel compiles and autotuning
             run(llm, prompts, 8)  # the batch sizes of the timed run (autotuning is keyed on rows)
@@ -219,8 +224,9 @@ def main() -> int:
             if args.profile:
                 profile(run, llm, prompts, 16)
             name = scheme if scheme == "bf16" else f"{scheme}g{group_size(shape)}"
-            row = {"shape": shape, "scheme": name, "num_prompts": len(prompts), "output_len": args.output_len,
-                   "build_s": built, "ready_s": ready, "warm_s": warm, **r}
+            row = {"shape": shape, "scheme": name, "cuda_graphs": llm.engine.runner.graphs is not None,
+                   "num_prompts": len(prompts), "output_len": args.output_len, "build_s": built, "ready_s": ready,
+                   "warm_s": warm, **r}
             if args.step_batches:
                 row["step_profile"] = profile_steps(llm.engine, [int(b) for b in args.step_batches.split(",")])
                 print(f"{shape} {name}, decode steps:\n{format_table(row['step_profile'])}", flush=True)
@@ -232,10 +238,11 @@ def main() -> int:
             write_json(args.out, results)
             del llm, model
             free()
-    print("\n| shape | scheme | output tok/s | ms/step | steps | engine ready s |\n|---|---|---|---|---|---|")
+    print("\n| shape | scheme | CUDA graphs | output tok/s | ms/step | steps | engine ready s |\n"
+          "|---|---|---|---|---|---|---|")
     for r in results["runs"]:
-        print(f"| {r['shape']} | {r['scheme']} | {r['output_tok_s']:.0f} | {r['ms_per_step']:.2f} | {r['steps']} "
-              f"| {r['ready_s']:.1f} |")
+        print(f"| {r['shape']} | {r['scheme']} | {'yes' if r['cuda_graphs'] else 'no'} | {r['output_tok_s']:.0f} | "
+              f"{r['ms_per_step']:.2f} | {r['steps']} | {r['ready_s']:.1f} |")
     return 0
 
 
