@@ -95,7 +95,8 @@ def code_floats(codes, zero, SYM: tl.constexpr):
 
 @triton.jit
 def position_values(words, j: tl.constexpr, zero, DTYPE: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr):
-    """Code position j of words [BKW, BN] (uint32; tile_words) minus zero, exact, in DTYPE (fp32, fp16 or bf16).
+    """Code position j of words [BKW, BN] (uint32; tile_words) minus zero (group_params' zero, broadcast against
+    the words: [1, BN] or [BKW, BN]; the constant 2^(BITS-1) when SYM), exact, in DTYPE (fp32, fp16 or bf16).
     fp16 (and bf16 for 4-bit codes) by the same trick as code_floats with a 16-bit magic, two positions per shift
     and mask: (words >> BITS*i) & (MAXQ | MAXQ << 16) | MAGIC * 0x10001 is the half pair (BASE + code i,
     BASE + code i + P/2), i = j mod P/2 (fp16 0x6400 = 1024, codes < 1024; bf16 0x4300 = 128, codes < 128); the
@@ -114,8 +115,9 @@ def position_values(words, j: tl.constexpr, zero, DTYPE: tl.constexpr, BITS: tl.
             biased = pair.to(tl.uint16).to(DTYPE, bitcast=True)
         else:
             biased = (pair >> 16).to(tl.uint16).to(DTYPE, bitcast=True)
-        if SYM:
-            values = biased - (BASE + zero)  # a constant of biased's dtype
+        if SYM:  # `zero` unused: a constexpr keeps the subtraction in biased's dtype
+            OFFSET: tl.constexpr = BASE + (1 << (BITS - 1))
+            values = biased - OFFSET
         else:
             values = biased - (zero.to(tl.float32) + BASE).to(DTYPE)
     else:
@@ -231,10 +233,12 @@ def dequant_dot(
     so the decoded weight never goes through shared memory (the [BK/P, P, BN] -> [BK, BN] reshape of the first
     kernels did, one 16-bit store per weight). A tile inside one group, or across two (TILE_GROUPS 2: its first half
     of words in one, the second in the next; x's columns of the other half are zeroed for each group's
-    dot), multiplies x by exact integers, code - zero when SYM, else the code itself with zero * sum(x) taken off
-    after, and scales each group's [BM, BN] sum by its row once. Any other tile scales each code by its word's group
-    (GROUP_K % P == 0: a word never straddles groups) and rounds W' to x's dtype once, as (code - zero) * scale in
-    fp32 would."""
+    dot), multiplies x by the exact integers code - MID (sym's zero 2^(BITS-1); not SYM, (zero - MID) * sum(x) is
+    taken off after, the row sums of x in fp32 once per position) and scales each group's [BM, BN] sum by its row
+    once (the first kernels summed x by a second dot per position, and Triton 3.6 then left x, used by two dots, out
+    of its pipeline: bench/gpu_sass.py; subtracting each zero from the interleaved operand cost 1.1-1.8 instructions
+    a weight more, in byte permutes). Any other tile scales each code by its word's group (GROUP_K % P == 0: a word
+    never straddles groups) and rounds W' to x's dtype once, as (code - zero) * scale in fp32 would."""
     P: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = P // 2
     BKW: tl.constexpr = BLOCK_K // P
@@ -259,15 +263,14 @@ def dequant_dot(
         zero0, scale0 = group_params(s_ptr, z_ptr, k0, offs_w, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM, True,
                                      EVEN_N)
         part0 = tl.zeros((PART_R, PART_C), dtype=tl.float32)
-        x_sum0 = tl.zeros((PART_R, PART_C), dtype=tl.float32)  # not SYM: sum(x) of each row, in every column
+        x_sum0 = tl.zeros((BLOCK_M,), dtype=tl.float32)  # not SYM: sum(x) of each row over the group's columns
         if TWO:
             zero1, scale1 = group_params(s_ptr, z_ptr, k0 + GROUP_K, offs_w, offs_n, K, N, stride_sg, BITS, GROUP_K,
                                          SYM, True, EVEN_N)
             part1 = tl.zeros((PART_R, PART_C), dtype=tl.float32)
-            x_sum1 = tl.zeros((PART_R, PART_C), dtype=tl.float32)
+            x_sum1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         in_first = (offs_r // 2 < BKW // 2)[None, :] | (not TWO)  # [1, 2 BKW]: x columns of the first group
-        ones = tl.full((2 * BKW, BLOCK_N), 1.0, x_ptr.dtype.element_ty)
-        ZERO_CODE: tl.constexpr = (1 << (BITS - 1)) * SYM  # code - zero, or the code itself
+        MID: tl.constexpr = 1 << (BITS - 1)  # sym's zero: the operands are code - MID (not SYM: corrected after)
     else:
         zero, scale = group_params(s_ptr, z_ptr, k0, k0 + offs_w * P, offs_n, K, N, stride_sg, BITS, GROUP_K, SYM,
                                    False, EVEN_K and EVEN_N)  # [BKW, BN]: the group of each word
@@ -290,17 +293,17 @@ def dequant_dot(
         else:
             x = position_columns(x_tile, i)
         if EXACT:
-            q = interleave_rows(position_values(words, i, ZERO_CODE, CODES, BITS, True),
-                                position_values(words, i + HALF, ZERO_CODE, CODES, BITS, True))  # [2 BKW, BN]
+            q = interleave_rows(position_values(words, i, MID, CODES, BITS, True),
+                                position_values(words, i + HALF, MID, CODES, BITS, True))  # [2 BKW, BN]
             x0 = tl.where(in_first, x, 0.0)
             part0 = weight_mma(x0, q, part0, TRANSPOSED, FP32_DOT)
-            if not SYM:  # on the tensor cores: a row sum in registers would shuffle across threads on every i
-                x_sum0 = weight_mma(x0, ones, x_sum0, TRANSPOSED, FP32_DOT)
+            if not SYM:
+                x_sum0 += tl.sum(x0.to(tl.float32), axis=1)
             if TWO:
                 x1 = tl.where(in_first, 0.0, x)
                 part1 = weight_mma(x1, q, part1, TRANSPOSED, FP32_DOT)
                 if not SYM:
-                    x_sum1 = weight_mma(x1, ones, x_sum1, TRANSPOSED, FP32_DOT)
+                    x_sum1 += tl.sum(x1.to(tl.float32), axis=1)
         else:
             w = interleave_rows(position_values(words, i, zero, CODES, BITS, SYM) * scale,
                                 position_values(words, i + HALF, zero, CODES, BITS, SYM) * scale)
@@ -308,12 +311,12 @@ def dequant_dot(
     if EXACT:
         part = as_rows(part0, TRANSPOSED)
         if not SYM:
-            part -= as_rows(x_sum0, TRANSPOSED) * zero0.to(tl.float32)
+            part -= x_sum0[:, None] * (zero0.to(tl.float32) - MID)
         acc += part * scale0
         if TWO:
             part = as_rows(part1, TRANSPOSED)
             if not SYM:
-                part -= as_rows(x_sum1, TRANSPOSED) * zero1.to(tl.float32)
+                part -= x_sum1[:, None] * (zero1.to(tl.float32) - MID)
             acc += part * scale1
     else:
         acc += as_rows(part, TRANSPOSED)
