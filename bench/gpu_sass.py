@@ -14,7 +14,8 @@ ceiling, never a measurement.
 Two columns say whether the loop hides memory latency: "waits for" is the async-copy groups the loop's wait leaves
 in flight (DEPBAR.LE SB0, n: 0 = it waits for every copy, the next tile's included, so each tile's load latency
 is exposed), and "sync loads" the plain global loads inside the loop (LDG: each is waited for where its value is
-used). The second table gives both for the paged-attention decode kernel (head_dim 128, GQA 4, 64-token tiles).
+used). The second table gives both for the paged-attention decode kernel (head_dim 128, GQA 4, 64-token tiles,
+16-token cache blocks).
 Run with TRITON_INTERPRET unset.
 """
 
@@ -91,10 +92,10 @@ def main_loop(sass: str) -> tuple[collections.Counter, str]:
 def compile_decode_attention(arch, stages):
     ptrs = dict(q_ptr="fp16", k_ptr="fp16", v_ptr="fp16", out_ptr="fp16", bt_ptr="i32", lens_ptr="i32",
                 part_out_ptr="fp32", part_lse_ptr="fp32", cnt_ptr="i32")
-    consts = dict(GROUP=4, HEAD_DIM=128, NUM_SPLITS=32, FP32_DOT=False, WINDOWED=False, SOFTCAP=False, BLOCK_H=16,
-                  BLOCK_D=128, BLOCK_N=paged_attention.DECODE_BLOCK_N, BLOCK_G=4,
+    consts = dict(GROUP=4, HEAD_DIM=128, NUM_SPLITS=32, FP32_DOT=False, WINDOWED=False, SOFTCAP=False, BLOCK_SIZE=16,
+                  BLOCK_H=16, BLOCK_D=128, BLOCK_N=paged_attention.DECODE_BLOCK_N, BLOCK_G=4,
                   MERGE_SPLITS=paged_attention.merge_step(32, 4, 128))
-    aligned = (*ptrs, "block_size", "min_partition", "stride_qs", "stride_qh", "stride_os", "stride_oh",
+    aligned = (*ptrs, "min_partition", "stride_qs", "stride_qh", "stride_os", "stride_oh",
                "stride_kb", "stride_ks", "stride_kh", "stride_bt")
     return aot.compile_for(arch, paged_attention._decode_kernel, ptrs, consts, floats=("qk_scale", "cap_log2"),
                            wide=("stride_kb",), warps=paged_attention.attention_warps(128), stages=stages,

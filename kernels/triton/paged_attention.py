@@ -51,18 +51,20 @@ MERGE_TILE = 4096
 
 
 @triton.jit
-def kv_tile(q, k_ptr, v_ptr, bt_row_ptr, t0, t_end, offs_d, mask_d, kv_head, block_size, stride_kb, stride_ks,
-            qk_scale, cap_log2, SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+def kv_tile(q, k_ptr, v_ptr, bt_row_ptr, t0, t_end, offs_d, mask_d, kv_head, BLOCK_SIZE: tl.constexpr, stride_kb,
+            stride_ks, qk_scale, cap_log2, SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Tokens [t0, t0 + BLOCK_N) of one sequence (those >= t_end masked) for the query rows q [BM, BD]:
     -> (offs_t [BN], scores [BM, BN] fp32 in log2 units, -inf where t >= t_end, v [BN, BD]).
     Scores: q.k * qk_scale (= scale * log2(e)); SOFTCAP: tanh(q.k * qk_scale) * cap_log2 with qk_scale =
     scale / cap and cap_log2 = cap * log2(e) (softcap_scales).
-    Token t's row: block = block_tables row [t // block_size], at block * stride_kb + (t % block_size) * stride_ks
-    + kv_head (the kv head's offset) in the cache [num_blocks, block_size, Hkv, D]."""
+    Token t's row: block = block_tables row [t // BLOCK_SIZE], at block * stride_kb + (t % BLOCK_SIZE) * stride_ks
+    + kv_head (the kv head's offset) in the cache [num_blocks, BLOCK_SIZE, Hkv, D]. The cache's block size is a
+    constexpr: a runtime divisor costs an integer division per token (sm_90, a decode tile: 359 -> 304
+    instructions under Triton 3.9, 444 -> 357 under 3.6; bench/gpu_sass.py)."""
     offs_t = t0 + tl.arange(0, BLOCK_N)  # [BN] token positions
     mask_t = offs_t < t_end
-    block = tl.load(bt_row_ptr + offs_t // block_size, mask=mask_t, other=0).to(tl.int64)  # [BN] physical blocks
-    rows = block * stride_kb + (offs_t % block_size).to(tl.int64) * stride_ks + kv_head  # [BN]
+    block = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE, mask=mask_t, other=0).to(tl.int64)  # [BN] physical blocks
+    rows = block * stride_kb + (offs_t % BLOCK_SIZE).to(tl.int64) * stride_ks + kv_head  # [BN]
     mask_td = mask_t[:, None] & mask_d[None, :]
     k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=mask_td, other=0.0)  # [BN, BD]
     v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=mask_td, other=0.0)  # [BN, BD]
@@ -105,8 +107,8 @@ def visible_start(seq_len, window, WINDOWED: tl.constexpr):
 
 
 @triton.jit
-def attend(q, k_ptr, v_ptr, bt_row_ptr, t_begin, t_end, offs_d, mask_d, kv_head, block_size, stride_kb, stride_ks,
-           qk_scale, cap_log2, SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+def attend(q, k_ptr, v_ptr, bt_row_ptr, t_begin, t_end, offs_d, mask_d, kv_head, BLOCK_SIZE: tl.constexpr, stride_kb,
+           stride_ks, qk_scale, cap_log2, SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
     """The query rows q [BH, BD] over tokens [t_begin, t_end) of one sequence (kv_tile's arguments), an online
     softmax tile by tile -> (max m_i [BH], sum l_i [BH], unnormalised output acc [BH, BD]), fp32, log2 units;
     an empty range leaves m_i = -inf and l_i = 0."""
@@ -114,7 +116,7 @@ def attend(q, k_ptr, v_ptr, bt_row_ptr, t_begin, t_end, offs_d, mask_d, kv_head,
     l_i = tl.zeros((q.shape[0],), dtype=tl.float32)
     acc = tl.zeros((q.shape[0], q.shape[1]), dtype=tl.float32)
     for t0 in range(t_begin, t_end, BLOCK_N):
-        _, scores, v = kv_tile(q, k_ptr, v_ptr, bt_row_ptr, t0, t_end, offs_d, mask_d, kv_head, block_size,
+        _, scores, v = kv_tile(q, k_ptr, v_ptr, bt_row_ptr, t0, t_end, offs_d, mask_d, kv_head, BLOCK_SIZE,
                                stride_kb, stride_ks, qk_scale, cap_log2, SOFTCAP, FP32_DOT,
                                BLOCK_N)  # [BH, BN], [BN, BD]
         m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, FP32_DOT, False)
@@ -161,11 +163,11 @@ def _decode_kernel(
     cnt_ptr,  # int32 [S, Hkv] arrival counters (NUM_SPLITS > 1), all zero on entry and on exit
     qk_scale, cap_log2,  # softmax scale * log2(e), or with SOFTCAP scale / cap and cap * log2(e) (kv_tile)
     window,  # keys the query sees, itself included (WINDOWED)
-    block_size, min_partition,  # the fewest tokens a split takes (a multiple of BLOCK_N)
+    min_partition,  # the fewest tokens a split takes (a multiple of BLOCK_N)
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,  # the cache's tokens per block
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr, MERGE_SPLITS: tl.constexpr,  # the merge's tile [BLOCK_G heads, MERGE_SPLITS, BLOCK_D]
 ):
@@ -188,7 +190,7 @@ def _decode_kernel(
     q = tl.load(q_ptr + s * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BH, BD]
     m_i, l_i, acc = attend(q, k_ptr, v_ptr, bt_ptr + s * stride_bt, t_begin, t_end, offs_d, mask_d,
-                           kvh.to(tl.int64) * stride_kh, block_size, stride_kb, stride_ks, qk_scale, cap_log2,
+                           kvh.to(tl.int64) * stride_kh, BLOCK_SIZE, stride_kb, stride_ks, qk_scale, cap_log2,
                            SOFTCAP, FP32_DOT, BLOCK_N)
 
     if NUM_SPLITS == 1:
@@ -334,11 +336,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     qk_scale, cap_log2 = softcap_scales(scale, softcap)
     _decode_kernel[(num_seqs, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, *splits,
-        qk_scale, cap_log2, window, block_size, min_partition,
+        qk_scale, cap_log2, window, min_partition,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, NUM_SPLITS=num_splits, FP32_DOT=fp32_dot(q.dtype),
-        WINDOWED=window > 0, SOFTCAP=softcap > 0,
+        WINDOWED=window > 0, SOFTCAP=softcap > 0, BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_G=block_g, MERGE_SPLITS=merge_step(num_splits, block_g, block_d),
         num_warps=attention_warps(block_d), num_stages=DECODE_STAGES,

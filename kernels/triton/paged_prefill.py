@@ -40,11 +40,10 @@ def _prefill_kernel(
     out_ptr,  # [T, Hq, D]
     qk_scale, cap_log2,  # softmax scale * log2(e), or with SOFTCAP scale / cap and cap * log2(e) (kv_tile)
     window,  # keys a query sees, itself included (WINDOWED)
-    block_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, FP32_DOT: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,  # the cache's tokens per block
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -76,7 +75,7 @@ def _prefill_kernel(
     kv_head = (h // GROUP).to(tl.int64) * stride_kh
     for t0 in range(t_begin, t_end, BLOCK_N):
         offs_t, scores, v = kv_tile(q, k_ptr, v_ptr, bt_ptr + s * stride_bt, t0, t_end, offs_d, mask_d, kv_head,
-                                    block_size, stride_kb, stride_ks, qk_scale, cap_log2, SOFTCAP, FP32_DOT, BLOCK_N)
+                                    BLOCK_SIZE, stride_kb, stride_ks, qk_scale, cap_log2, SOFTCAP, FP32_DOT, BLOCK_N)
         # causal: row sees token t iff t <= pos; without a window token 0 is visible to every row, so no row is
         # all -inf; with one, later rows may see nothing of the first tiles (softmax_step's EMPTY_ROWS)
         visible = offs_t[None, :] <= pos[:, None]
@@ -117,10 +116,11 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     qk_scale, cap_log2 = softcap_scales(scale, softcap)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        qk_scale, cap_log2, window, k_cache.shape[1],
+        qk_scale, cap_log2, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, FP32_DOT=fp32_dot(q.dtype), WINDOWED=window > 0, SOFTCAP=softcap > 0,
+        BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=block_n,
         num_warps=attention_warps(triton.next_power_of_2(d)), num_stages=2,
     )

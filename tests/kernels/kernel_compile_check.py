@@ -63,11 +63,11 @@ def attention_and_layer_kernels(arch: int) -> None:
                     {**cache, "bt_ptr": "i32", "lens_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
                      "cnt_ptr": "i32"},
                     dict(GROUP=group, HEAD_DIM=128, NUM_SPLITS=splits, FP32_DOT=False, WINDOWED=masks, SOFTCAP=masks,
-                         BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, BLOCK_G=group,
+                         BLOCK_SIZE=16, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, BLOCK_G=group,
                          MERGE_SPLITS=paged_attention.merge_step(splits, group, 128)),
                     floats=("qk_scale", "cap_log2"), wide=("stride_kb",), warps=8, stages=paged_attention.DECODE_STAGES)
     compile_for(arch, paged_prefill._prefill_kernel, {**cache, "bt_ptr": "i32", "qsl_ptr": "i32", "lens_ptr": "i32"},
-                dict(GROUP=4, HEAD_DIM=128, FP32_DOT=False, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64),
+                dict(GROUP=4, HEAD_DIM=128, FP32_DOT=False, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64),
                 floats=("qk_scale",), wide=("stride_kb",), warps=8, stages=2)
     compile_for(arch, kv_store._kv_store_kernel, {**act_ptrs("fp16", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr"),
                                                   "slot_ptr": "i64"},
