@@ -228,8 +228,12 @@ def main() -> int:
                    "num_prompts": len(prompts), "output_len": args.output_len, "build_s": built, "ready_s": ready,
                    "warm_s": warm, **r}
             if args.step_batches:
-                row["step_profile"] = profile_steps(llm.engine, [int(b) for b in args.step_batches.split(",")])
-                print(f"{shape} {name}, decode steps:\n{format_table(row['step_profile'])}", flush=True)
+                try:  # a device run is one shot: a profiler failure must not cost the schemes after this one
+                    row["step_profile"] = profile_steps(llm.engine, [int(b) for b in args.step_batches.split(",")])
+                    print(f"{shape} {name}, decode steps:\n{format_table(row['step_profile'])}", flush=True)
+                except Exception as exc:  # noqa: BLE001 - recorded in the row and printed, never lost
+                    row["step_profile_error"] = repr(exc)
+                    print(f"{shape} {name}: the step table failed: {exc!r}", flush=True)
             if args.device != "cpu":
                 row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             results["runs"].append(row)
