@@ -49,7 +49,8 @@ for arg in "$@"; do
                    tests/serve/test_cuda_graphs.py::test_engine_greedy_with_graphs_equals_eager \
                    tests/quantkit/test_qlinear.py::test_cuda_forward_matches_reference_and_keeps_the_qtensor \
                    tests/kernels/test_kernels_attention.py tests/kernels/test_triton_window_softcap.py \
-                   tests/kernels/test_kernels_fused.py tests/kernels/test_kernels_compile.py \
+                   tests/kernels/test_kernels_fused.py tests/kernels/test_triton_layer_ops.py \
+                   tests/kernels/test_kernels_compile.py \
                    tests/kernels/test_kernels_qgemm.py ;;  # the slowest to compile last
         kernels) stage kernels "${KERNELS_LIMIT:-200}" python3 bench/gpu_kernels.py --quick --out "$OUT/kernels.json" ;;
         engine) stage engine "${ENGINE_LIMIT:-200}" python3 bench/engine_gpu.py --inputs "$INPUTS" \

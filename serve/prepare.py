@@ -13,7 +13,9 @@ the lm_head included, for a row-invariant kernel (AMX's tile GEMM where it runs,
 GEMM: serve/cpu_linear.py), and step 3 fuses on it on any CPU; the attention backend then runs every query row as a
 decode item (serve/attention.py).
 State-dict keys and parameters are unchanged by all three (the fused weights are views of the parts').
-On CUDA, each MoE block with float or W4/W8 experts runs them as fused grouped GEMMs (serve/moe_fusion.py).
+On CUDA, the norms (with their residual adds) and SiLU-and-multiply run on the Triton kernels
+(kernels/triton/layer_ops.py), and each MoE block with float or W4/W8 experts runs them as fused grouped GEMMs
+(serve/moe_fusion.py).
 """
 
 from __future__ import annotations
@@ -77,9 +79,9 @@ def batch_invariant_mode(asked: bool, device: torch.device, dtype: torch.dtype, 
 def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int,
                   fused_ops: bool, batch_invariant: bool = False) -> Optional[CpuFusedOps]:
     """Prepare `model` in place for serving on `device` in `dtype` (batch_hint: the largest step's token count,
-    for oneDNN's packing); fused_ops: use the C per-token kernels where they build; batch_invariant: the rowwise
-    GEMM for every plain Linear (batch_invariant_mode said yes). Returns the ops in use when they are the C kernels
-    (the attention backend's KV store uses them too), else None."""
+    for oneDNN's packing); fused_ops: the per-token ops on kernels (the C ones where they build, the Triton ones on
+    CUDA); batch_invariant: the rowwise GEMM for every plain Linear (batch_invariant_mode said yes). Returns the ops
+    in use when they are the C kernels (the attention backend's KV store uses them too), else None."""
     if can_pack(dtype, device):
         packed = pack_linears(model, batch_hint, rowwise=batch_invariant)
         log.info("prepacked %d Linear weights (bf16%s)", packed, ", row-invariant GEMM" if batch_invariant else "")
@@ -93,8 +95,11 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
     if device.type == "cpu" and dtype == torch.bfloat16:  # FusedLinear.of refuses parts without a shared packing
         log.info("fused %d q/k/v and gate/up-SiLU projections", fuse_projections(model))
     if device.type == "cuda":
-        from quantkit.serve.moe_fusion import fuse_moe  # imports triton: CUDA only
+        from quantkit.kernels.triton.layer_ops import TritonOps  # imports triton: CUDA only
+        from quantkit.serve.moe_fusion import fuse_moe
 
+        if fused_ops:
+            model.set_ops(TritonOps(TorchOps))
         fused_moe_blocks = fuse_moe(model)
         if fused_moe_blocks:
             log.info("MoE: %d blocks run their experts as fused Triton grouped GEMMs", fused_moe_blocks)

@@ -1,0 +1,53 @@
+# layer_ops - a model's per-token ops on CUDA (TorchOps' contract: rms_norm, rope, silu_mul) on the Triton kernels
+"""TritonOps: the CUDA counterpart of kernels/cpu/fused.py's CpuFusedOps, set by serving on CUDA (serve/prepare.py).
+
+  rms_norm  the residual add and the RMSNorm in one launch (rmsnorm.py), where torch runs about eight kernels
+  silu_mul  silu(gate) * up in one launch (silu_gate.py), where torch runs two
+  rope      the fallback's (the model's torch ops: no Triton RoPE kernel yet)
+
+Each kernel rounds as the torch ops do (their docstrings): outputs match TorchOps up to the evaluation order of
+fp32 reductions. Inputs the kernels do not take (another device, mixed dtypes, a strided last dimension, another
+dtype) take `fallback`. The kernels' grids depend only on shapes, so they run inside the decode CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from .rmsnorm import rmsnorm
+from .silu_gate import silu_gate
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class TritonOps:
+    """A model's per-token ops (module docstring); `fallback` has the same three (the model's torch ops)."""
+
+    def __init__(self, fallback):
+        self.fallback = fallback
+
+    def rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
+        """-> (weight * norm(x + residual), x + residual) (x alone when residual is None)."""
+        if not _ours(x, weight) or (residual is not None and (not _ours(residual, x) or residual.shape != x.shape)):
+            return self.fallback.rms_norm(x, residual, weight, eps)
+        if residual is None:
+            return rmsnorm(x, weight, eps), x
+        return rmsnorm(x, weight, eps, residual)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary):
+        return self.fallback.rope(q, k, positions, rotary)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not _ours(gate, up) or gate.shape != up.shape:
+            return self.fallback.silu_mul(gate, up)
+        return silu_gate(gate, up)
+
+
+def _ours(x: torch.Tensor, other: torch.Tensor) -> bool:
+    """Both on one CUDA device (or in Triton's CPU interpreter), in one kernel dtype, their last dims contiguous."""
+    on_device = x.is_cuda or bool(triton.knobs.runtime.interpret)
+    return (on_device and x.device == other.device and x.dtype == other.dtype and x.dtype in KERNEL_DTYPES
+            and x.stride(-1) == 1 and other.stride(-1) == 1)

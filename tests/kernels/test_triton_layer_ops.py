@@ -1,0 +1,55 @@
+"""TritonOps (kernels/triton/layer_ops.py), the per-token ops serving sets on CUDA: which inputs take the Triton
+kernels and which the fallback, and a model's logits with them against the same model on its torch ops.
+
+Runs under TRITON_INTERPRET=1 on CPU (tests/kernels/triton_env.py), compiled on CUDA with TRITON_INTERPRET=0.
+fp32 and fp16 only: the interpreter rounds fp32 -> bf16 by truncation (tests/kernels/test_kernels_fused.py).
+"""
+
+from __future__ import annotations
+
+from tests.kernels.triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton loads
+
+import pytest
+import torch
+
+from quantkit.kernels.triton.layer_ops import TritonOps
+from quantkit.kernels.triton.rmsnorm import rmsnorm
+from quantkit.kernels.triton.silu_gate import silu_gate
+from quantkit.models.layers import TorchOps
+from quantkit.models.llama import LlamaForCausalLM, ModelConfig
+from tests.conftest import tiny_hf_config
+
+
+def test_contiguous_rows_take_the_kernels_and_the_rest_the_fallback():
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(5, 64, generator=gen).to(DEVICE, torch.float16) for _ in range(2))
+    weight = (torch.rand(64, generator=gen) + 0.5).to(DEVICE, torch.float16)
+    ops = TritonOps(TorchOps)
+    out, total = ops.rms_norm(x, residual, weight, 1e-5)
+    expected_out, expected_total = rmsnorm(x, weight, 1e-5, residual)
+    assert torch.equal(out, expected_out) and torch.equal(total, expected_total)
+    out, same = ops.rms_norm(x, None, weight, 1e-5)
+    assert torch.equal(out, rmsnorm(x, weight, 1e-5)) and same is x
+    gate, up = x[:, :32], x[:, 32:]  # strided halves of one gate_up output, last dim contiguous
+    assert torch.equal(ops.silu_mul(gate, up), silu_gate(gate, up))
+    columns = x.t()  # [64, 5], the last dim strided: the fallback's, bit for bit
+    assert torch.equal(ops.silu_mul(columns, columns), TorchOps.silu_mul(columns, columns))
+    weight5 = (torch.rand(5, generator=gen) + 0.5).to(DEVICE, torch.float16)
+    for got, want in zip(ops.rms_norm(columns, None, weight5, 1e-5), TorchOps.rms_norm(columns, None, weight5, 1e-5)):
+        assert torch.equal(got, want)
+    mixed = ops.rms_norm(x, residual.float(), weight, 1e-5)  # mixed dtypes: the fallback's
+    assert all(torch.equal(a, b) for a, b in zip(mixed, TorchOps.rms_norm(x, residual.float(), weight, 1e-5)))
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
+def test_a_model_on_the_triton_ops_gives_its_torch_logits(dtype, atol):
+    """The ops' contract as the model uses it: every RMSNorm (residual adds fused), every SiLU-and-multiply."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig.from_hf(tiny_hf_config(vocab_size=256))).to(DEVICE, dtype).eval()
+    ids = torch.randint(3, 256, (2, 12), device=DEVICE)
+    with torch.inference_mode():
+        expected = model(ids).float()
+        model.set_ops(TritonOps(TorchOps))
+        got = model(ids).float()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    torch.testing.assert_close(got, expected, rtol=0, atol=atol)
