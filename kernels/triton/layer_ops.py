@@ -3,7 +3,8 @@
 
   rms_norm  the residual add and the RMSNorm in one launch (rmsnorm.py), where torch runs about eight kernels
   silu_mul  silu(gate) * up in one launch (silu_gate.py), where torch runs two
-  rope      the fallback's (the model's torch ops: no Triton RoPE kernel yet)
+  rope      q and k rotated in place in one launch (rope.py), where torch runs about ten kernels (the cos/sin
+            rows are the rotary embedding's, computed once per forward)
 
 Each kernel rounds as the torch ops do (their docstrings): outputs match TorchOps up to the evaluation order of
 fp32 reductions. Inputs the kernels do not take (another device, mixed dtypes, a strided last dimension, another
@@ -18,6 +19,7 @@ import torch
 import triton
 
 from .rmsnorm import rmsnorm
+from .rope import rope_
 from .silu_gate import silu_gate
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,7 +40,15 @@ class TritonOps:
         return rmsnorm(x, weight, eps, residual)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary):
-        return self.fallback.rope(q, k, positions, rotary)
+        """q [T, Hq, D], k [T, Hkv, D] at positions [T] -> (q, k) rotated in place; other layouts: the fallback."""
+        if (q.dim() != 3 or k.dim() != 3 or positions.dim() != 1 or not _ours(q, k) or k.shape[0] != q.shape[0]
+                or k.shape[2] != q.shape[2]):
+            return self.fallback.rope(q, k, positions, rotary)
+        cos, sin = rotary(positions, q.dtype)  # [T, 1, D]
+        if cos.shape != (q.shape[0], 1, q.shape[2]) or not (cos.is_contiguous() and sin.is_contiguous()):
+            return self.fallback.rope(q, k, positions, rotary)
+        rope_(q, k, cos, sin)
+        return q, k
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not _ours(gate, up) or gate.shape != up.shape:

@@ -11,7 +11,7 @@ import triton
 
 from quantkit.kernels.triton import (
     aot, dequant_gemm, dequant_gemv, dequantize, fused_moe, kv_store, paged_attention, paged_prefill, repack, rmsnorm,
-    silu_gate,
+    rope, silu_gate,
 )
 
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory one program may use
@@ -76,6 +76,8 @@ def attention_and_layer_kernels(arch: int) -> None:
                 dict(HAS_RESIDUAL=True, BLOCK_H=4096), floats=("eps",), warps=16)
     compile_for(arch, silu_gate._silu_gate_kernel, act_ptrs("fp16", "g_ptr", "u_ptr", "out_ptr"),
                 dict(EXACT_BF16=False, BLOCK=1024))
+    compile_for(arch, rope._rope_kernel, act_ptrs("bf16", "q_ptr", "k_ptr", "cos_ptr", "sin_ptr"),
+                dict(HALF=64, BLOCK=64, EXACT_BF16=False))
 
 
 def moe_kernels(arch: int) -> None:

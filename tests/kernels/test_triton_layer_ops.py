@@ -1,8 +1,10 @@
 """TritonOps (kernels/triton/layer_ops.py), the per-token ops serving sets on CUDA: which inputs take the Triton
-kernels and which the fallback, and a model's logits with them against the same model on its torch ops.
+kernels and which the fallback, RoPE (kernels/triton/rope.py) against the model's apply_rope, and a model's
+logits with them against the same model on its torch ops.
 
 Runs under TRITON_INTERPRET=1 on CPU (tests/kernels/triton_env.py), compiled on CUDA with TRITON_INTERPRET=0.
-fp32 and fp16 only: the interpreter rounds fp32 -> bf16 by truncation (tests/kernels/test_kernels_fused.py).
+RoPE rounds bf16 itself in the interpreter (common.round_to); the norms do not, so the model runs in fp32 and fp16
+only (the interpreter rounds fp32 -> bf16 by truncation: tests/kernels/test_kernels_fused.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from quantkit.kernels.triton.layer_ops import TritonOps
 from quantkit.kernels.triton.rmsnorm import rmsnorm
 from quantkit.kernels.triton.silu_gate import silu_gate
-from quantkit.models.layers import TorchOps
+from quantkit.models.layers import RotaryEmbedding, TorchOps, apply_rope
 from quantkit.models.llama import LlamaForCausalLM, ModelConfig
 from tests.conftest import tiny_hf_config
 
@@ -39,6 +41,29 @@ def test_contiguous_rows_take_the_kernels_and_the_rest_the_fallback():
         assert torch.equal(got, want)
     mixed = ops.rms_norm(x, residual.float(), weight, 1e-5)  # mixed dtypes: the fallback's
     assert all(torch.equal(a, b) for a, b in zip(mixed, TorchOps.rms_norm(x, residual.float(), weight, 1e-5)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_rope_rotates_q_and_k_in_place_as_apply_rope_does(dtype):
+    """Paged [T, H, D] rows (q with a token stride, as a view of a wider projection) bit for bit against the
+    model's apply_rope on its rotary embedding's cos/sin; a dense [B, L, H, D] batch takes the fallback."""
+    cfg = ModelConfig.from_hf(tiny_hf_config(vocab_size=256))
+    rotary = RotaryEmbedding(cfg).to(DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    t, hq, hkv, d = 7, 4, 2, cfg.head_dim
+    wide = torch.randn(t, (hq + 1) * d, generator=gen).to(DEVICE, dtype)
+    q = wide[:, : hq * d].view(t, hq, d)  # token stride (hq + 1) * d
+    k = torch.randn(t, hkv, d, generator=gen).to(DEVICE, dtype)
+    positions = torch.tensor([0, 1, 2, 5, 9, 40, 100], device=DEVICE)
+    cos, sin = rotary(positions, dtype)
+    expected_q, expected_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    dense_q, dense_k = q.reshape(1, t, hq, d).clone(), k.reshape(1, t, hkv, d).clone()  # before the rotation
+    got_q, got_k = TritonOps(TorchOps).rope(q, k, positions, rotary)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    got_q, got_k = TritonOps(TorchOps).rope(dense_q, dense_k, positions, rotary)
+    assert got_q.data_ptr() != dense_q.data_ptr()  # the fallback's new tensors
+    assert torch.equal(got_q[0], expected_q) and torch.equal(got_k[0], expected_k)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
