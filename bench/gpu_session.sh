@@ -48,6 +48,7 @@ for arg in "$@"; do
                    tests/serve/test_cuda_graphs.py::test_graph_replay_equals_the_eager_padded_forward \
                    tests/serve/test_cuda_graphs.py::test_engine_greedy_with_graphs_equals_eager \
                    tests/quantkit/test_qlinear.py::test_cuda_forward_matches_reference_and_keeps_the_qtensor \
+                   tests/serve/test_cuda_linear.py \
                    tests/kernels/test_kernels_attention.py tests/kernels/test_triton_window_softcap.py \
                    tests/kernels/test_kernels_fused.py tests/kernels/test_triton_layer_ops.py \
                    tests/kernels/test_kernels_compile.py \

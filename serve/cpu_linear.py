@@ -121,8 +121,7 @@ class FusedLinear(nn.Module):
         """The fused module, or None when the parts do not share one packing (AMX, or the rowwise GEMM's) (or,
         given the MLP, they are not two bias-free parts of one width)."""
         interleave = mlp is not None
-        if interleave and (len(parts) != 2 or parts[0].out_features != parts[1].out_features
-                           or any(p.bias is not None for p in parts)):
+        if interleave and not gate_up_pair(parts):
             return None
         if all(isinstance(p, PackedLinear) and p.vnni is not None for p in parts):
             if len({p.kernel for p in parts}) != 1:
@@ -173,6 +172,11 @@ class FusedLinear(nn.Module):
         if self.bias is not None:
             y += self.bias
         return y.view(*lead, sum(self.sizes)).split(self.sizes, dim=-1)
+
+
+def gate_up_pair(parts: list[nn.Module]) -> bool:
+    """Whether an MLP's parts fuse with its SiLU-and-multiply: two bias-free projections (gate, up) of one width."""
+    return len(parts) == 2 and parts[0].out_features == parts[1].out_features and all(p.bias is None for p in parts)
 
 
 def _concat(tensors: list[torch.Tensor], interleave: bool) -> torch.Tensor:

@@ -13,9 +13,9 @@ the lm_head included, for a row-invariant kernel (AMX's tile GEMM where it runs,
 GEMM: serve/cpu_linear.py), and step 3 fuses on it on any CPU; the attention backend then runs every query row as a
 decode item (serve/attention.py).
 State-dict keys and parameters are unchanged by all three (the fused weights are views of the parts').
-On CUDA, the norms (with their residual adds) and SiLU-and-multiply run on the Triton kernels
-(kernels/triton/layer_ops.py), and each MoE block with float or W4/W8 experts runs them as fused grouped GEMMs
-(serve/moe_fusion.py).
+On CUDA, the norms (with their residual adds), RoPE and SiLU-and-multiply run on the Triton kernels
+(kernels/triton/layer_ops.py), q/k/v and gate/up as one matmul each (serve/cuda_linear.py: float or W4/W8, outside
+MoE blocks), and each MoE block with float or W4/W8 experts runs them as fused grouped GEMMs (serve/moe_fusion.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from quantkit.kernels.cpu import rowwise_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.kernels.cpu.paged_decode import load_rows_kernel
 from quantkit.models.llama import MLP, Attention, TorchOps
+from quantkit.models.moe import MoE
 from quantkit.quant.qlinear import QLinear
 from quantkit.serve.cpu_linear import FusedLinear, can_pack, pack_linears
 
@@ -96,27 +97,33 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
         log.info("fused %d q/k/v and gate/up-SiLU projections", fuse_projections(model))
     if device.type == "cuda":
         from quantkit.kernels.triton.layer_ops import TritonOps  # imports triton: CUDA only
+        from quantkit.serve.cuda_linear import StackedLinear
         from quantkit.serve.moe_fusion import fuse_moe
 
         if fused_ops:
             model.set_ops(TritonOps(TorchOps))
-        fused_moe_blocks = fuse_moe(model)
+        experts = {id(m) for block in model.modules() if isinstance(block, MoE) for m in block.modules()}
+        log.info("stacked %d q/k/v and gate/up projections", fuse_projections(model, StackedLinear.of, experts))
+        fused_moe_blocks = fuse_moe(model)  # the experts' weights: its own stacking
         if fused_moe_blocks:
             log.info("MoE: %d blocks run their experts as fused Triton grouped GEMMs", fused_moe_blocks)
     return ops
 
 
-def fuse_projections(model: nn.Module) -> int:
-    """Turn each Attention into a FusedAttention and each MLP into a FusedMLP where their parts share one AMX
-    packing (the module keeps its identity, parameters and children; only its class and one attribute change);
-    returns how many were fused."""
+def fuse_projections(model: nn.Module, fuse=FusedLinear.of, skip: frozenset[int] | set[int] = frozenset()) -> int:
+    """Turn each Attention into a FusedAttention and each MLP into a FusedMLP (but the modules whose id is in
+    `skip`) where `fuse` takes their parts: FusedLinear.of on CPU (one AMX packing), cuda_linear.StackedLinear.of
+    on CUDA. The module keeps its identity, parameters and children; only its class and one attribute change.
+    Returns how many were fused."""
     fused = 0
     for module in list(model.modules()):
+        if id(module) in skip:
+            continue
         if type(module) is Attention:
-            fusion = FusedLinear.of([module.q_proj, module.k_proj, module.v_proj])
+            fusion = fuse([module.q_proj, module.k_proj, module.v_proj])
             cls, name = FusedAttention, "fused_qkv"
         elif type(module) is MLP:
-            fusion = FusedLinear.of([module.gate_proj, module.up_proj], module)
+            fusion = fuse([module.gate_proj, module.up_proj], module)
             cls, name = FusedMLP, "fused_gate_up"
         else:
             continue
