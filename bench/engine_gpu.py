@@ -101,14 +101,16 @@ def engine(model, hf, tokenizer, folder: Path, kv_bytes: int, **kw):
 def attention_check(shape: str, device: str, tokenizer, folder: Path, kv_bytes: int, prompts) -> dict:
     """The Triton and the torch attention backends in bfloat16, each against the same model in float32 (torch
     attention): max |logprob difference| on the prompt tokens, and on the generated tokens up to the first one
-    that differs; then the sampler's non-greedy path."""
+    that differs; then the sampler's non-greedy path. On CUDA the Triton run is the default path the timed runs take
+    (attention_backend auto: Triton attention, TritonOps' norms, RoPE and SiLU, the stacked projections)."""
     import torch
 
     from quantkit import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     runs = {}
-    for name, dtype, backend in (("fp32", torch.float32, "torch"), ("triton", None, "triton"),
+    default = "auto" if device == "cuda" else "triton"
+    for name, dtype, backend in (("fp32", torch.float32, "torch"), ("triton", None, default),
                                  ("torch", None, "torch")):
         model, hf = build(shape, "bf16", device, dtype)
         llm = engine(model, hf, tokenizer, folder, kv_bytes, attention_backend=backend)
