@@ -1,7 +1,8 @@
 """serve/cuda_linear.py's StackedLinear (q/k/v and gate/up as one matmul each on CUDA), on CPU: float parts through
 F.linear, W4 parts through the Triton dequant-GEMM in the CPU interpreter (tests/kernels/triton_env.py), each
-against its parts run alone; the parts' weights become views into the stacking; what does not stack; and a model
-whose Attention and MLP modules are stacked (serve/prepare.fuse_projections) against the same model unstacked."""
+against its parts run alone; the parts' weights become views into the stacking; what does not stack; a model
+whose Attention and MLP modules are stacked (serve/prepare.fuse_projections) against the same model unstacked; and
+the whole CUDA preparation under the Triton attention in an engine, against the dense model's greedy tokens."""
 
 from __future__ import annotations
 
@@ -95,3 +96,45 @@ def test_a_stacked_model_gives_its_unstacked_logits():
     assert all(isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP)
                for layer in model.model.layers)
     torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_the_cuda_serving_path_composed_on_cpu_gives_the_dense_greedy_tokens():
+    """What serve/prepare.py sets on CUDA (TritonOps, stacked projections) under the Triton paged attention, in an
+    fp16 engine on CPU (the interpreter runs the kernels; fp16 leaves the CPU preparation out; on a GPU the
+    engine's own CUDA preparation finds it done): greedy tokens equal the dense fp16 forward's, recomputed for
+    every token."""
+    from quantkit.kernels.triton.layer_ops import TritonOps
+    from quantkit.models.layers import TorchOps
+    from quantkit.models.loader import load_tokenizer
+    from quantkit.serve.config import EngineConfig
+    from quantkit.serve.engine import LLMEngine
+    from quantkit.serve.sampling_params import SamplingParams
+    from quantkit.serve.validation import validate_request
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig.from_hf(tiny_hf_config(vocab_size=512)))
+    model.lm_head.weight.mul_(4.0)  # spread the logits: no near-ties in greedy comparisons
+    model = model.to(DEVICE, torch.float16).eval()
+    prompts = [[5, 9, 33, 2 + i, 71, 400 - i] * (i + 1) for i in range(3)]
+    expected = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids], device=DEVICE))[0, -1].argmax()))
+        expected.append(ids[len(prompt):])
+    model.set_ops(TritonOps(TorchOps))
+    assert fuse_projections(model, StackedLinear.of) == 4
+    cfg = EngineConfig(block_size=4, kv_cache_memory=1 << 22, max_model_len=128, max_num_seqs=4,
+                       attention_backend="triton")
+    engine = LLMEngine(model, load_tokenizer(None), cfg, eos_token_ids=[2])
+    layer = engine.runner.model.model.layers[0]  # the runner's CPU preparation left the CUDA one in place
+    assert isinstance(layer.mlp, FusedMLP) and isinstance(layer.mlp.ops, TritonOps)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", validate_request(prompt, params, engine.vocab_size, engine.max_model_len,
+                                                     engine.cfg.max_num_seqs))
+    final = {}
+    while engine.has_unfinished():
+        final.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert [final[f"r{i}"].outputs[0].token_ids for i in range(3)] == expected
