@@ -188,29 +188,25 @@ def as_rows(part, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def split_pick(x, upper: tl.constexpr):
+    """x [..., 2] -> x[..., upper] (tl.split, in registers)."""
+    lower_half, upper_half = tl.split(x)
+    if upper:
+        return upper_half
+    return lower_half
+
+
+@triton.jit
 def position_columns(x_tile, i: tl.constexpr):
     """x_tile [BM, BKW, 2, HALF] (HALF 2 or 4) -> x_tile[:, :, :, i] as [BM, 2 BKW], row-major over (word, half):
     the x columns of dequant_dot's operand rows for code positions (i, i + HALF), by splits in registers (a gather
     from memory per position, as the first kernels loaded them, waited out an L2 round trip four times a tile)."""
     BM: tl.constexpr = x_tile.shape[0]
     BKW: tl.constexpr = x_tile.shape[1]
-    HALF: tl.constexpr = x_tile.shape[3]
-    if HALF == 4:  # i = 2 * high + low: split off the low bit, then the high one
-        low0, low1 = tl.split(tl.reshape(x_tile, (BM, BKW, 2, 2, 2)))
-        if i % 2 == 0:
-            high0, high1 = tl.split(low0)
-        else:
-            high0, high1 = tl.split(low1)
-        if i // 2 == 0:
-            x = high0
-        else:
-            x = high1
+    if x_tile.shape[3] == 4:  # i = 2 * high + low: split off the low bit, then the high one
+        x = split_pick(split_pick(tl.reshape(x_tile, (BM, BKW, 2, 2, 2)), i % 2), i // 2)
     else:
-        x0, x1 = tl.split(x_tile)
-        if i == 0:
-            x = x0
-        else:
-            x = x1
+        x = split_pick(x_tile, i)
     return tl.reshape(x, (BM, 2 * BKW))
 
 
