@@ -111,10 +111,7 @@ class FusedLinear(nn.Module):
         self.rowwise = rowwise  # bf16 parts on the rowwise GEMM (PackedLinear.kernel "rowwise")
         object.__setattr__(self, "mlp", mlp)  # a plain reference back to the owner, not a submodule
         self.act = mlp is not None
-        biases = [p.bias for p in parts]
-        self.bias = None if all(b is None for b in biases) else torch.cat(
-            [torch.zeros(p.out_features, dtype=torch.bfloat16) if b is None else b.to(torch.bfloat16)
-             for p, b in zip(parts, biases)])
+        self.bias = stacked_bias(parts, torch.bfloat16)
 
     @classmethod
     def of(cls, parts: list[nn.Module], mlp: Optional[nn.Module] = None) -> Optional["FusedLinear"]:
@@ -137,9 +134,8 @@ class FusedLinear(nn.Module):
             return None
         perms = [k[0] for k in kernels]
         packs = [k[1] for k in kernels]
-        same_perm = all(q is None for q in perms) or all(q is not None and torch.equal(q, perms[0]) for q in perms)
         same_pack = len({(p.bits, pk[2], pk[1].shape[1]) for p, pk in zip(parts, packs)}) == 1
-        if not (same_perm and same_pack):
+        if not (one_permutation(perms) and same_pack):
             return None
         codes = _concat([pk[0] for pk in packs], interleave)
         qparams = _concat([pk[1] for pk in packs], interleave)
@@ -177,6 +173,20 @@ class FusedLinear(nn.Module):
 def gate_up_pair(parts: list[nn.Module]) -> bool:
     """Whether an MLP's parts fuse with its SiLU-and-multiply: two bias-free projections (gate, up) of one width."""
     return len(parts) == 2 and parts[0].out_features == parts[1].out_features and all(p.bias is None for p in parts)
+
+
+def one_permutation(perms: list[Optional[torch.Tensor]]) -> bool:
+    """Whether parts' act-order permutations are one: none has one, or all hold the same."""
+    return all(q is None for q in perms) or all(q is not None and torch.equal(q, perms[0]) for q in perms)
+
+
+def stacked_bias(parts: list[nn.Module], dtype: torch.dtype, device=None) -> Optional[torch.Tensor]:
+    """The parts' biases concatenated in `dtype` on `device` (zeros for a part without one; None when none has
+    one): the bias of their outputs stacked along N."""
+    if all(p.bias is None for p in parts):
+        return None
+    return torch.cat([torch.zeros(p.out_features, dtype=dtype, device=device) if p.bias is None
+                      else p.bias.detach().to(dtype) for p in parts])
 
 
 def _concat(tensors: list[torch.Tensor], interleave: bool) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.quant.qlinear import QLinear
-from quantkit.serve.cpu_linear import gate_up_pair
+from quantkit.serve.cpu_linear import gate_up_pair, one_permutation, stacked_bias
 
 
 class StackedLinear(nn.Module):
@@ -48,14 +48,13 @@ class StackedLinear(nn.Module):
             weight = torch.cat([p.weight.detach() for p in parts])
             for p, view in zip(parts, weight.split([p.out_features for p in parts])):
                 p.weight.data = view
-            return cls(parts, weight, None, _stacked_bias(parts, weight), mlp)
+            return cls(parts, weight, None, stacked_bias(parts, weight.dtype, weight.device), mlp)
         if not all(isinstance(p, QLinear) for p in parts):
             return None
         packs = [p.prepared("triton") for p in parts]
         first = packs[0]
-        same_perm = all(pw.perm is None for pw in packs) or all(
-            pw.perm is not None and torch.equal(pw.perm, first.perm) for pw in packs)
-        if not same_perm or len({(pw.bits, pw.group_k, pw.sym, pw.in_features) for pw in packs}) != 1:
+        if (not one_permutation([pw.perm for pw in packs])
+                or len({(pw.bits, pw.group_k, pw.sym, pw.in_features) for pw in packs}) != 1):
             return None
         stacked = {name: torch.cat([getattr(pw, name) for pw in packs], dim=1)
                    for name in ("qweight", "scales", "zeros")}
@@ -68,7 +67,8 @@ class StackedLinear(nn.Module):
         from quantkit.kernels.triton.dequant_gemv import reserve_workspace  # imports triton: CUDA only
 
         reserve_workspace(packed.device, packed.out_features)
-        return cls(parts, None, packed, _stacked_bias(parts, first.qweight), mlp)
+        # fp32 holds every part's bias exactly; forward casts it to x's dtype, as each part's own call does
+        return cls(parts, None, packed, stacked_bias(parts, torch.float32, packed.device), mlp)
 
     def forward(self, x: torch.Tensor):
         """x [..., K] -> one [..., N_i] view per part; with the MLP, silu(gate) * up [..., I]."""
@@ -82,11 +82,3 @@ class StackedLinear(nn.Module):
         outs = y.split(self.sizes, dim=-1)
         return self.mlp.ops.silu_mul(*outs) if self.mlp is not None else outs
 
-
-def _stacked_bias(parts: list[nn.Module], like: torch.Tensor) -> Optional[torch.Tensor]:
-    """The parts' biases concatenated (zeros for a part without one; None when none has one), on like's device."""
-    if all(p.bias is None for p in parts):
-        return None
-    dtype = next(p.bias.dtype for p in parts if p.bias is not None)
-    return torch.cat([torch.zeros(p.out_features, dtype=dtype, device=like.device) if p.bias is None
-                      else p.bias.detach().to(dtype) for p in parts])
