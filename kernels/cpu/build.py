@@ -49,8 +49,9 @@ def _cache_key(source: Path) -> str:
     return digest.hexdigest()
 
 
-def _build(source: Path, out: Path) -> None:
-    """Compile source into the shared library out (atomic)."""
+def _build(source: Path, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """Compile source into the shared library out (atomic); extra_flags after FLAGS (tests build narrower
+    instruction sets, e.g. -mno-avx512f)."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc/cc) found")
@@ -59,8 +60,8 @@ def _build(source: Path, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         lib = Path(tmp) / f"{out.stem}.so"
         gomp = [str(torch_lib / "libgomp.so.1"), f"-Wl,-rpath,{torch_lib}"] if (torch_lib / "libgomp.so.1").exists() else []
-        subprocess.run([compiler, *FLAGS, f"-I{source.parent}", str(source), "-o", str(lib), *gomp, "-lm"],
-                       check=True, capture_output=True, text=True, timeout=300)
+        command = [compiler, *FLAGS, *extra_flags, f"-I{source.parent}", str(source), "-o", str(lib), *gomp, "-lm"]
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
         os.replace(lib, out)
 
 

@@ -14,18 +14,16 @@ bf16(ref - e) and bf16(ref + e); and as e is a bound, not a typical error, nearl
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
 from quantkit.config import QuantScheme
-from quantkit.kernels.cpu import build
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu import gemv as cpu_gemv
 from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.models.llama import TorchOps
 from quantkit.quant.scheme import QTensor, dequantize, quantize_rtn
+from tests.kernels.cpu_builds import NARROWER, narrower_library
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="the CPU has no AVX2 + FMA + F16C (or no compiler)")
 
@@ -113,14 +111,11 @@ def test_outputs_do_not_depend_on_the_thread_count(bits):
 
 @pytest.mark.parametrize("act", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_the_avx2_build_gives_the_native_builds_bits(bits, act, tmp_path, monkeypatch):
+def test_the_avx2_build_gives_the_native_builds_bits(bits, act, tmp_path):
     """gemv.c built without AVX-512 (its AVX2 path) against the build this CPU runs: the same bits for every row
     count (on an AVX-512 BF16 CPU, two different code paths; on an AVX2 one, the same path twice)."""
-    monkeypatch.setattr(build, "FLAGS", [*build.FLAGS, "-mno-avx512f"])
-    lib_path = tmp_path / "gemv_avx2.so"
-    build._build(build.SOURCES / "gemv.c", lib_path)
-    avx2 = ctypes.CDLL(str(lib_path)).qgemv
-    avx2.restype, avx2.argtypes = None, cpu_gemv.SIGNATURES["qgemv"]
+    flags, needs = NARROWER["avx2"]
+    avx2 = narrower_library("gemv", flags, tmp_path, {"qgemv": cpu_gemv.SIGNATURES["qgemv"]}, needs).qgemv
     _, _, packed = gate_up(bits, seed=5)
     for rows in range(1, cpu_gemv.MAX_ROWS + 1):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()

@@ -10,13 +10,11 @@ with that extension switched off, and held to the same properties."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 from torch import nn
 
-from quantkit.kernels.cpu import build, rowwise_gemm
+from quantkit.kernels.cpu import rowwise_gemm
 from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.kernels.cpu.gemm import pack_bf16
@@ -26,6 +24,7 @@ from quantkit.serve import cpu_linear
 from quantkit.serve.cpu_linear import FusedLinear, PackedLinear, pack_linears
 from quantkit.serve.prepare import FusedAttention, FusedMLP, fuse_projections
 from tests.conftest import tiny_hf_config
+from tests.kernels.cpu_builds import cpu_flags, narrower_library
 
 # N = 80: one panel of four 16-column blocks and a lone fifth block; K = 96: 48 pairs
 N, K = 80, 96
@@ -61,11 +60,6 @@ def within_bf16(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Te
     """|y - ref| within bf16 output rounding (2^-8 relative) plus fp32 accumulation over K terms."""
     bound = 2**-8 * ref.abs() + x.shape[1] * 2**-23 * (x.float().abs() @ w.float().abs().T) + 1e-30
     return bool(((y.float() - ref).abs() <= bound).all())
-
-
-def cpu_flags() -> list[str]:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split() for line in f if line.startswith("flags")), [])
 
 
 def test_the_build_runs_the_widest_chain_the_cpu_has():
@@ -147,22 +141,18 @@ def test_launcher_refuses_what_the_kernel_does_not_take():
     assert rowwise_gemm.matmul(x[:0], packed).shape == (0, N)
 
 
-NARROWER_BUILDS = {"avx2": ["-mno-avx512bf16"], "portable": ["-mno-avx512bf16", "-mno-avx2", "-mno-fma"]}
+NARROWER_BUILDS = {"avx2": ("-mno-avx512bf16",), "portable": ("-mno-avx512bf16", "-mno-avx2", "-mno-fma")}
 
 
 @pytest.mark.parametrize("chain", sorted(NARROWER_BUILDS))
-def test_narrower_builds_keep_the_order_and_the_invariance(chain, tmp_path, monkeypatch):
+def test_narrower_builds_keep_the_order_and_the_invariance(chain, tmp_path):
     """rowwise_gemm.c built without AVX-512 BF16 (its AVX2 + FMA chain) or without AVX2 either (its plain C
     chain): within bf16 of the reference, one-hot exact, and a row's bits independent of the batch."""
-    if chain == "avx2" and not {"avx2", "fma"} <= set(cpu_flags()):
-        pytest.skip("the CPU has no AVX2 + FMA")
-    monkeypatch.setattr(build, "FLAGS", [*build.FLAGS, *NARROWER_BUILDS[chain]])
-    lib_path = tmp_path / f"rowwise_{chain}.so"
-    build._build(build.SOURCES / "rowwise_gemm.c", lib_path)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = narrower_library("rowwise_gemm", NARROWER_BUILDS[chain], tmp_path,
+                           {"rowwise_gemm": rowwise_gemm.SIGNATURES["rowwise_gemm"]},
+                           {"avx2", "fma"} if chain == "avx2" else set())
     assert rowwise_gemm.ISAS[lib.rowwise_gemm_isa()] == chain
     fn = lib.rowwise_gemm
-    fn.restype, fn.argtypes = None, rowwise_gemm.SIGNATURES["rowwise_gemm"]
     w, x = weight(), rows(70)
     b = torch.randn(N, generator=torch.Generator().manual_seed(6)).bfloat16()
     packed = pack_bf16(w)
