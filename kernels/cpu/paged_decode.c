@@ -1,7 +1,8 @@
 /* Paged decode attention of kernels/cpu/paged_decode.py: one query token per sequence (paged_decode), or per
    query row with its own sequence and length (paged_rows), against the paged K/V cache, online softmax in fp32 over
-   tiles of 16 tokens: from the first token the row sees (0 without a sliding window), or on AVX2 at multiples of 16.
-   Builds: AVX-512 BF16 (bf16 dot products), AVX-512 (fp32), AVX2 + FMA + F16C (several rows per item), plain C. */
+   tiles of 16 tokens at multiples of 16 positions. An item takes up to 8 consecutive rows of one sequence (a prefill
+   chunk's), which share each K/V tile. Builds: AVX-512 BF16 (bf16 dot products), AVX-512 (fp32), AVX2 + FMA + F16C,
+   plain C. */
 #include <math.h>
 
 #include "common.h"
@@ -10,6 +11,8 @@
 #define TILE 16
 #define MAXD 256
 #define MAXG 16
+#define ROWS 8          /* query rows per item */
+#define ROW_FLOATS 8192 /* fp32 of an item's queries, and of its accumulators: rows * G * D at most */
 
 static void load_row(const void* base, int64_t off, int d, int dtype, float* dst) {
   if (dtype == F32) { memcpy(dst, (const float*)base + off, (size_t)d * 4); return; }
@@ -23,35 +26,6 @@ static void store_row(void* base, int64_t off, int d, int dtype, const float* sr
   _Float16* o = (_Float16*)base + off; for (int i = 0; i < d; i++) o[i] = (_Float16)src[i];
 }
 
-/* One work item = (sequence s, kv head h): the G query heads of h over tokens [lo, len) of s, in tiles of 16 from
-   lo (0, or len - window for a sliding-window layer); cap > 0: scores soft-capped, cap * tanh(score / cap).
-   Token t of s lives at row ((table[t / BS] * BS + t % BS) * Hkv + h) * D of a cache. */
-#define ITEM_PROLOGUE                                                                               \
-  float qf[MAXG][MAXD] __attribute__((aligned(64))), acc[MAXG][MAXD] __attribute__((aligned(64)));  \
-  float kt[TILE][MAXD] __attribute__((aligned(64))), vt[TILE][MAXD] __attribute__((aligned(64)));   \
-  float m[MAXG], l[MAXG];                                                                           \
-  for (int g = 0; g < G; g++) {                                                                     \
-    load_row(q, ((int64_t)s * Hq + h * G + g) * D, D, dtype, qf[g]);                                \
-    for (int d = 0; d < D; d++) { qf[g][d] *= scale; acc[g][d] = 0.f; }                             \
-    m[g] = -INFINITY; l[g] = 0.f;                                                                   \
-  }
-
-#define LOAD_TILE                                                                                   \
-  const int n = len - t0 < TILE ? len - t0 : TILE;                                                 \
-  for (int j = 0; j < n; j++) {                                                                     \
-    const int t = t0 + j;                                                                           \
-    const int64_t row = (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;                      \
-    load_row(kc, row, D, dtype, kt[j]);                                                             \
-    load_row(vc, row, D, dtype, vt[j]);                                                             \
-  }
-
-#define ITEM_EPILOGUE                                                                               \
-  for (int g = 0; g < G; g++) {                                                                     \
-    const float inv = 1.f / l[g];                                                                   \
-    for (int d = 0; d < D; d++) acc[g][d] *= inv;                                                   \
-    store_row(out, ((int64_t)s * Hq + h * G + g) * D, D, dtype, acc[g]);                            \
-  }
-
 /* sc [n] = cap * tanh(sc / cap) (scalar libm: the soft-capped layers only) */
 static void soft_cap(float* sc, int n, float cap) {
   for (int j = 0; j < n; j++) sc[j] = cap * tanhf(sc[j] / cap);
@@ -61,87 +35,147 @@ static void soft_cap(float* sc, int n, float cap) {
    positive, else 0 */
 static inline int window_start(int len, int window) { return window > 0 && len > window ? len - window : 0; }
 
-static void item_generic(const void* q, const void* kc, const void* vc, const int32_t* table, int lo, int len,
-                         void* out, int s, int h, int G, int Hq, int Hkv, int D, int BS, float scale, float cap,
-                         int dtype) {
-  ITEM_PROLOGUE
-  float p[TILE];
-  for (int t0 = lo; t0 < len; t0 += TILE) {
-    LOAD_TILE
-    for (int g = 0; g < G; g++) {
-      float mx = m[g];
-      for (int j = 0; j < n; j++) {
-        float sc = 0.f;
-        #pragma omp simd reduction(+:sc)
-        for (int d = 0; d < D; d++) sc += qf[g][d] * kt[j][d];
-        p[j] = sc;
-      }
-      if (cap > 0.f) soft_cap(p, n, cap);
-      for (int j = 0; j < n; j++) mx = p[j] > mx ? p[j] : mx;
-      const float corr = expf(m[g] - mx);  /* 0 on the first tile (m = -inf) */
-      float sum = 0.f;
-      for (int j = 0; j < n; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
-      l[g] = l[g] * corr + sum;
-      m[g] = mx;
-      for (int d = 0; d < D; d++) acc[g][d] *= corr;
-      for (int j = 0; j < n; j++) {
-        const float w = p[j];
-        #pragma omp simd
-        for (int d = 0; d < D; d++) acc[g][d] += w * vt[j][d];
-      }
-    }
+/* One work item: rows [r0, r0 + nr) of one sequence (its block table `table`: a prefill chunk's consecutive rows,
+   or one decode row), kv head h. Row r attends positions [window_start(lens[r0 + r]), lens[r0 + r]); its query
+   head g (of the G sharing h) sits at index i = r * G + g of the item's arrays. Tiles sit at multiples of 16
+   positions (a windowed row's first one is partial), so the rows share each K/V tile; a row's arithmetic is the
+   same, in the same order, whatever rows share its item. Position t of the sequence lives at row
+   ((table[t / BS] * BS + t % BS) * Hkv + h) * D of a cache. */
+typedef struct {
+  const void *q, *kc, *vc;  /* q [R, Hq, D]; caches [NB, BS, Hkv, D] */
+  const int32_t *table, *lens;
+  void* out;  /* [R, Hq, D] */
+  int r0, nr, window, h, G, Hq, Hkv, BS, dtype;
+  float scale, cap;  /* cap > 0: scores soft-capped, cap * tanh(score / cap) */
+} Item;
+
+static inline int64_t cache_row(const Item* it, int t, int D) {
+  return (((int64_t)it->table[t / it->BS] * it->BS + t % it->BS) * it->Hkv + it->h) * D;
+}
+
+static inline int64_t query_row(const Item* it, int i, int D) {
+  return ((int64_t)(it->r0 + i / it->G) * it->Hq + it->h * it->G + i % it->G) * D;
+}
+
+/* start [nr]: each row's first position; [*lo, *end): the positions any row of the item sees */
+static void item_span(const Item* it, int* start, int* lo, int* end) {
+  *lo = INT32_MAX; *end = 0;
+  for (int r = 0; r < it->nr; r++) {
+    const int len = it->lens[it->r0 + r];
+    start[r] = window_start(len, it->window);
+    *lo = start[r] < *lo ? start[r] : *lo;
+    *end = len > *end ? len : *end;
   }
-  ITEM_EPILOGUE
+}
+
+/* row r's live tokens [*a, *n) of the tile at t0: false when it has none */
+static inline int row_in_tile(const Item* it, const int* start, int r, int t0, int* a, int* n) {
+  const int live = it->lens[it->r0 + r] - t0;
+  *a = start[r] > t0 ? start[r] - t0 : 0;
+  *n = live < TILE ? live : TILE;
+  return live > 0 && *a < TILE;
+}
+
+/* acc [nr * G, D] = 0, m = -inf, l = 0 */
+static void clear_state(const Item* it, int D, float* acc, float* m, float* l) {
+  for (int i = 0; i < it->nr * it->G; i++) {
+    for (int d = 0; d < D; d++) acc[i * D + d] = 0.f;
+    m[i] = -INFINITY; l[i] = 0.f;
+  }
+}
+
+/* the item's output rows = acc / l */
+static void store_outputs(const Item* it, int D, float* acc, const float* l) {
+  for (int i = 0; i < it->nr * it->G; i++) {
+    const float inv = 1.f / l[i];
+    for (int d = 0; d < D; d++) acc[i * D + d] *= inv;
+    store_row(it->out, query_row(it, i, D), D, it->dtype, acc + i * D);
+  }
+}
+
+/* x . y over D in 8 partial sums (lane d % 8), added in one fixed order: the same bits on every call (an omp simd
+   reduction's order may change with the call's context) */
+static inline float dot8(const float* x, const float* y, int D) {
+  float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int d = 0;
+  for (; d + 8 <= D; d += 8)
+    for (int i = 0; i < 8; i++) s[i] += x[d + i] * y[d + i];
+  for (int i = 0; d < D; d++, i++) s[i] += x[d] * y[d];
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+/* One tile of one query row and head in plain C: qf [D] (scaled), live tokens [a, n) of the fp32 tile kt / vt;
+   updates the running max m, normaliser l and accumulator acc [D] */
+static void tile_generic(const float* qf, float* acc, float* m, float* l, float kt[][MAXD], float vt[][MAXD], int a,
+                         int n, float cap, int D) {
+  float p[TILE];
+  for (int j = a; j < n; j++) p[j] = dot8(qf, kt[j], D);
+  if (cap > 0.f) soft_cap(p + a, n - a, cap);
+  float mx = *m;
+  for (int j = a; j < n; j++) mx = p[j] > mx ? p[j] : mx;
+  const float corr = expf(*m - mx);  /* 0 on the first tile (m = -inf) */
+  float sum = 0.f;
+  for (int j = a; j < n; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
+  *l = *l * corr + sum;
+  *m = mx;
+  for (int d = 0; d < D; d++) acc[d] *= corr;
+  for (int j = a; j < n; j++) {
+    const float w = p[j];
+    #pragma omp simd
+    for (int d = 0; d < D; d++) acc[d] += w * vt[j][d];
+  }
 }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* One tile of the online softmax for one query head: x [16] scores (dead lanes -inf), n live tokens whose fp32 V
-   rows are vt; updates the running max m, normaliser l and accumulator acc [D]. NV = D / 16. */
+#define SIMD_LANES 16
+
+/* lanes [a, n) */
+static inline __mmask16 live16(int a, int n) { return (__mmask16)(((1u << n) - 1u) & ~((1u << a) - 1u)); }
+
+/* The online softmax of one tile for one query head: x [16] scores (dead lanes -inf), live tokens [a, n) whose
+   fp32 V rows are vt; updates the running max m, normaliser l and accumulator acc [D]. NV = D / 16. */
 static inline __attribute__((always_inline)) void softmax_pv(
-    __m512 x, __mmask16 live, int n, float* m, float* l, float* acc, float vt[][MAXD], const int NV) {
+    __m512 x, int a, int n, float* m, float* l, float* acc, float vt[][MAXD], const int NV) {
   float sc[TILE] __attribute__((aligned(64)));
   __m512 av[MAXD / 16];
   const float tile_max = _mm512_reduce_max_ps(x);
   const float mx = tile_max > *m ? tile_max : *m;
   const float corr = expf(*m - mx);  /* 0 on the first tile (m = -inf) */
-  const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
+  const __m512 p = _mm512_maskz_mov_ps(live16(a, n), exp16(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
   *l = *l * corr + _mm512_reduce_add_ps(p);
   *m = mx;
   _mm512_store_ps(sc, p);
   const __m512 c = _mm512_set1_ps(corr);
   for (int v = 0; v < NV; v++) av[v] = _mm512_mul_ps(_mm512_load_ps(acc + 16 * v), c);
-  for (int j = 0; j < n; j++) {
+  for (int j = a; j < n; j++) {
     const __m512 w = _mm512_set1_ps(sc[j]);
     for (int v = 0; v < NV; v++) av[v] = _mm512_fmadd_ps(w, _mm512_load_ps(vt[j] + 16 * v), av[v]);
   }
   for (int v = 0; v < NV; v++) _mm512_store_ps(acc + 16 * v, av[v]);
 }
 
-/* NV = D / 16 is a compile-time constant at each call: q, scores and the accumulator stay in registers */
-static inline __attribute__((always_inline)) void item_avx512(
-    const void* q, const void* kc, const void* vc, const int32_t* table, int lo, int len, void* out,
-    int s, int h, int G, int Hq, int Hkv, int BS, float scale, float cap, int dtype, const int NV) {
-  const int D = NV * 16;
-  ITEM_PROLOGUE
+/* D fp32 of a cache row */
+static inline void load_simd(const void* base, int64_t off, int dtype, float* dst, int D) {
+  load_row(base, off, D, dtype, dst);
+}
+
+/* tile_generic's contract on 16 lanes: score j = one horizontal sum of q . k_j's 16-lane partial products */
+static inline __attribute__((always_inline)) void tile_simd(
+    const float* qf, float* acc, float* m, float* l, float kt[][MAXD], float vt[][MAXD], int a, int n, float cap,
+    const int D) {
+  const int NV = D / 16;
   float sc[TILE] __attribute__((aligned(64)));
-  for (int t0 = lo; t0 < len; t0 += TILE) {
-    LOAD_TILE
-    const __mmask16 live = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-    for (int g = 0; g < G; g++) {
-      __m512 qv[MAXD / 16];
-      for (int v = 0; v < NV; v++) qv[v] = _mm512_load_ps(qf[g] + 16 * v);
-      for (int j = 0; j < n; j++) {
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(kt[j]));
-        for (int v = 1; v < NV; v++) a = _mm512_fmadd_ps(qv[v], _mm512_load_ps(kt[j] + 16 * v), a);
-        sc[j] = _mm512_reduce_add_ps(a);
-      }
-      if (cap > 0.f) soft_cap(sc, n, cap);
-      softmax_pv(_mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), live, sc), live, n, &m[g], &l[g], acc[g], vt, NV);
-    }
+  __m512 qv[MAXD / 16];
+  for (int v = 0; v < NV; v++) qv[v] = _mm512_load_ps(qf + 16 * v);
+  for (int j = a; j < n; j++) {
+    __m512 dot = _mm512_mul_ps(qv[0], _mm512_load_ps(kt[j]));
+    for (int v = 1; v < NV; v++) dot = _mm512_fmadd_ps(qv[v], _mm512_load_ps(kt[j] + 16 * v), dot);
+    sc[j] = _mm512_reduce_add_ps(dot);
   }
-  ITEM_EPILOGUE
+  if (cap > 0.f) soft_cap(sc + a, n - a, cap);
+  softmax_pv(_mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), live16(a, n), sc), a, n, m, l, acc, vt, NV);
 }
 
 #if defined(__AVX512BF16__)
@@ -165,82 +199,79 @@ static inline __m512 sum16(const __m512* v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
-/* bf16 caches: q . k with the bf16 dot-product instruction straight from the cache rows (no fp32 copy of K),
-   16 scores per tile summed by sum16; V and the softmax as item_avx512. NV = D / 16. */
-static inline __attribute__((always_inline)) void item_bf16(
-    const uint16_t* q, const uint16_t* kc, const void* vc, const int32_t* table, int lo, int len, void* out,
-    int s, int h, int G, int Hq, int Hkv, int BS, float scale, float cap, const int NV) {
-  const int D = NV * 16, NB = NV / 2;  /* NB zmm of 32 bf16 per row */
-  float acc[MAXG][MAXD] __attribute__((aligned(64))), vt[TILE][MAXD] __attribute__((aligned(64)));
-  float m[MAXG], l[MAXG];
-  __m512bh qb[MAXG][MAXD / 32];
-  for (int g = 0; g < G; g++) {
-    for (int b = 0; b < NB; b++)
-      qb[g][b] = (__m512bh)_mm512_loadu_si512(q + ((int64_t)s * Hq + h * G + g) * D + 32 * b);
-    for (int d = 0; d < D; d++) acc[g][d] = 0.f;
-    m[g] = -INFINITY; l[g] = 0.f;
-  }
-  __m512 part[MAXG][TILE];
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int t0 = lo; t0 < len; t0 += TILE) {
-    const int n = len - t0 < TILE ? len - t0 : TILE;
+/* bf16 caches: q . k with the bf16 dot-product instruction straight from the bf16 query and the cache rows (no fp32
+   copy of K; the rows' second and later reads of a tile hit L1), 16 scores per tile summed by sum16 then scaled;
+   each V tile converted to fp32 once for the item's rows; the softmax as tile_simd's. NV = D / 16. */
+static inline __attribute__((always_inline)) void item_bf16(const Item* it, const int NV) {
+  const int D = NV * 16, NB = NV / 2, G = it->G;  /* NB zmm of 32 bf16 per row */
+  const uint16_t *q = (const uint16_t*)it->q, *kc = (const uint16_t*)it->kc;
+  float acc[ROW_FLOATS] __attribute__((aligned(64))), vt[TILE][MAXD] __attribute__((aligned(64)));
+  float m[ROWS * MAXG], l[ROWS * MAXG];
+  int64_t krow[TILE];
+  int start[ROWS], lo, end;
+  item_span(it, start, &lo, &end);
+  clear_state(it, D, acc, m, l);
+  const __m512 vscale = _mm512_set1_ps(it->scale);
+  for (int t0 = lo / TILE * TILE; t0 < end; t0 += TILE) {
+    const int n = end - t0 < TILE ? end - t0 : TILE, j0 = lo > t0 ? lo - t0 : 0;
     /* the next tile usually sits in another block: ask for its rows now, while this tile computes */
-    for (int t = t0 + TILE; t < t0 + 2 * TILE && t < len; t++) {
-      const int64_t row = (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;
+    for (int t = t0 + TILE; t < t0 + 2 * TILE && t < end; t++) {
+      const int64_t row = cache_row(it, t, D);
       for (int off = 0; off < D; off += 32) {
         _mm_prefetch((const char*)(kc + row + off), _MM_HINT_T0);
-        _mm_prefetch((const char*)((const uint16_t*)vc + row + off), _MM_HINT_T0);
+        _mm_prefetch((const char*)((const uint16_t*)it->vc + row + off), _MM_HINT_T0);
       }
     }
-    for (int j = 0; j < TILE; j++) {
-      if (j >= n) { for (int g = 0; g < G; g++) part[g][j] = _mm512_setzero_ps(); continue; }
-      const int t = t0 + j;
-      const int64_t row = (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;
-      __m512bh kb[MAXD / 32];
-      for (int b = 0; b < NB; b++) kb[b] = (__m512bh)_mm512_loadu_si512(kc + row + 32 * b);
+    for (int j = j0; j < n; j++) {
+      krow[j] = cache_row(it, t0 + j, D);
+      load_row(it->vc, krow[j], D, BF16, vt[j]);
+    }
+    for (int r = 0; r < it->nr; r++) {
+      int a, nl;
+      if (!row_in_tile(it, start, r, t0, &a, &nl)) continue;
+      __m512bh qb[MAXG][MAXD / 32];
+      for (int g = 0; g < G; g++)
+        for (int b = 0; b < NB; b++) qb[g][b] = (__m512bh)_mm512_loadu_si512(q + query_row(it, r * G + g, D) + 32 * b);
+      __m512 part[MAXG][TILE];
+      for (int j = 0; j < TILE; j++) {
+        if (j < a || j >= nl) { for (int g = 0; g < G; g++) part[g][j] = _mm512_setzero_ps(); continue; }
+        __m512bh kb[MAXD / 32];
+        for (int b = 0; b < NB; b++) kb[b] = (__m512bh)_mm512_loadu_si512(kc + krow[j] + 32 * b);
+        for (int g = 0; g < G; g++) {
+          __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
+          for (int b = 1; b < NB; b++) dot = _mm512_dpbf16_ps(dot, qb[g][b], kb[b]);
+          part[g][j] = dot;
+        }
+      }
       for (int g = 0; g < G; g++) {
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
-        for (int b = 1; b < NB; b++) a = _mm512_dpbf16_ps(a, qb[g][b], kb[b]);
-        part[g][j] = a;
+        const int i = r * G + g;
+        __m512 x = _mm512_mul_ps(sum16(part[g]), vscale);
+        if (it->cap > 0.f) {
+          float sc[TILE] __attribute__((aligned(64)));
+          _mm512_store_ps(sc, x);
+          soft_cap(sc + a, nl - a, it->cap);
+          x = _mm512_load_ps(sc);
+        }
+        x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live16(a, nl), x);
+        softmax_pv(x, a, nl, &m[i], &l[i], acc + i * D, vt, NV);
       }
-      load_row(vc, row, D, BF16, vt[j]);
-    }
-    const __mmask16 live = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-    for (int g = 0; g < G; g++) {
-      __m512 x = _mm512_mul_ps(sum16(part[g]), vscale);
-      if (cap > 0.f) {
-        float sc[TILE] __attribute__((aligned(64)));
-        _mm512_store_ps(sc, x);
-        soft_cap(sc, n, cap);
-        x = _mm512_load_ps(sc);
-      }
-      x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, x);
-      softmax_pv(x, live, n, &m[g], &l[g], acc[g], vt, NV);
     }
   }
-  const int dtype = BF16;
-  ITEM_EPILOGUE
+  store_outputs(it, D, acc, l);
 }
 #endif
-#endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 #include "avx2.h"
 
-/* AVX2: an item is up to ROWS consecutive query rows of one sequence (a prefill chunk's), so each K/V tile is
-   converted to fp32 once for all of them. Tiles sit at multiples of 16 positions (a windowed row's first tile is
-   partial), so the rows of a chunk share them with or without a window; each row's arithmetic is the one-row
-   item's, in the same order, whatever rows share the item. */
-#define ROWS 8
-#define ROW_FLOATS 8192 /* fp32 of an item's queries, and of its accumulators: rows * G * D at most */
-#define ROWWISE_ITEMS 1
+#define SIMD_LANES 8
 
-/* NV * 8 fp32 from the cache row at off */
-static inline __attribute__((always_inline)) void load_row8(const void* base, int64_t off, int dtype, float* dst,
-                                                            const int NV) {
-  for (int v = 0; v < NV; v++) {
+/* D fp32 of a cache row, 8 lanes at a time */
+static inline __attribute__((always_inline)) void load_simd(const void* base, int64_t off, int dtype, float* dst,
+                                                            const int D) {
+  for (int v = 0; v < D / 8; v++) {
     const __m128i* src = (const __m128i*)((const uint16_t*)base + off + 8 * v);
     const __m256 x = dtype == F32 ? _mm256_loadu_ps((const float*)base + off + 8 * v)
                      : dtype == BF16 ? even8(_mm256_cvtepu16_epi32(_mm_loadu_si128(src)))
@@ -256,12 +287,11 @@ static inline __m256 live8(int j0, int a, int n) {
                                               _mm256_cmpgt_epi32(j, _mm256_set1_epi32(a - 1))));
 }
 
-/* One tile of one query row and head: qf [D] (scaled), live tokens [a, n) of the fp32 tile kt / vt; updates the
-   running max m, normaliser l and accumulator acc [D]. Score j = the 8-lane partial products of q . k_j summed by
-   sum8. */
-static inline __attribute__((always_inline)) void tile_avx2(
+/* tile_generic's contract on 8 lanes: score j = the 8-lane partial products of q . k_j summed by sum8 */
+static inline __attribute__((always_inline)) void tile_simd(
     const float* qf, float* acc, float* m, float* l, float kt[][MAXD], float vt[][MAXD], int a, int n, float cap,
-    const int NV) {
+    const int D) {
+  const int NV = D / 8;
   float sc[TILE] __attribute__((aligned(32)));
   __m256 x[2];
   for (int half = 0; half < 2; half++) {
@@ -302,65 +332,50 @@ static inline __attribute__((always_inline)) void tile_avx2(
   }
   for (int v = 0; v < NV; v++) _mm256_store_ps(acc + 8 * v, av[v]);
 }
+#endif
 
-/* rows [r0, r0 + nr) of one sequence (block table `table`), row r over positions [lens[r] - window (window > 0,
-   floored at 0), lens[r]), kv head h; NV = D / 8 (a compile-time constant at the D = 64 and 128 calls) */
-static inline __attribute__((always_inline)) void item_avx2(
-    const void* q, const void* kc, const void* vc, const int32_t* table, const int32_t* lens, int r0, int nr,
-    int window, void* out, int h, int G, int Hq, int Hkv, int BS, float scale, float cap, int dtype, const int NV) {
-  const int D = NV * 8;
-  float qf[ROW_FLOATS] __attribute__((aligned(32))), acc[ROW_FLOATS] __attribute__((aligned(32)));
-  float kt[TILE][MAXD] __attribute__((aligned(32))), vt[TILE][MAXD] __attribute__((aligned(32)));
+/* An item on fp32 tiles: each K/V tile converted once for the item's rows, then each row and head's tile_simd
+   (simd: D a multiple of SIMD_LANES, a compile-time constant at the D = 64 and 128 calls) or tile_generic */
+static inline __attribute__((always_inline)) void item_fp32(const Item* it, const int D, const int simd) {
+  float qf[ROW_FLOATS] __attribute__((aligned(64))), acc[ROW_FLOATS] __attribute__((aligned(64)));
+  float kt[TILE][MAXD] __attribute__((aligned(64))), vt[TILE][MAXD] __attribute__((aligned(64)));
   float m[ROWS * MAXG], l[ROWS * MAXG];
-  int start[ROWS], lo = INT32_MAX, end = 0;  /* each row's first position; the item's span [lo, end) */
-  for (int r = 0; r < nr; r++) {
-    const int len = lens[r0 + r];
-    start[r] = window_start(len, window);
-    lo = start[r] < lo ? start[r] : lo;
-    end = len > end ? len : end;
-    for (int g = 0; g < G; g++) {
-      float* qg = qf + (r * G + g) * D;
-      load_row(q, ((int64_t)(r0 + r) * Hq + h * G + g) * D, D, dtype, qg);
-      for (int d = 0; d < D; d++) { qg[d] *= scale; acc[(r * G + g) * D + d] = 0.f; }
-      m[r * G + g] = -INFINITY; l[r * G + g] = 0.f;
-    }
+  int start[ROWS], lo, end;
+  item_span(it, start, &lo, &end);
+  clear_state(it, D, acc, m, l);
+  for (int i = 0; i < it->nr * it->G; i++) {
+    load_row(it->q, query_row(it, i, D), D, it->dtype, qf + i * D);
+    for (int d = 0; d < D; d++) qf[i * D + d] *= it->scale;
   }
   for (int t0 = lo / TILE * TILE; t0 < end; t0 += TILE) {
     const int n = end - t0 < TILE ? end - t0 : TILE;
     for (int j = lo > t0 ? lo - t0 : 0; j < n; j++) {
-      const int t = t0 + j;
-      const int64_t row = (((int64_t)table[t / BS] * BS + t % BS) * Hkv + h) * D;
-      load_row8(kc, row, dtype, kt[j], NV);
-      load_row8(vc, row, dtype, vt[j], NV);
+      const int64_t row = cache_row(it, t0 + j, D);
+#if defined(SIMD_LANES)
+      if (simd) { load_simd(it->kc, row, it->dtype, kt[j], D); load_simd(it->vc, row, it->dtype, vt[j], D); continue; }
+#endif
+      load_row(it->kc, row, D, it->dtype, kt[j]);
+      load_row(it->vc, row, D, it->dtype, vt[j]);
     }
-    for (int r = 0; r < nr; r++) {
-      const int a = start[r] > t0 ? start[r] - t0 : 0, live = lens[r0 + r] - t0;
-      if (live <= 0 || a >= TILE) continue;
-      for (int g = 0; g < G; g++) {
-        const int i = r * G + g;
-        tile_avx2(qf + i * D, acc + i * D, &m[i], &l[i], kt, vt, a, live < TILE ? live : TILE, cap, NV);
+    for (int r = 0; r < it->nr; r++) {
+      int a, nl;
+      if (!row_in_tile(it, start, r, t0, &a, &nl)) continue;
+      for (int i = r * it->G; i < (r + 1) * it->G; i++) {
+#if defined(SIMD_LANES)
+        if (simd) { tile_simd(qf + i * D, acc + i * D, &m[i], &l[i], kt, vt, a, nl, it->cap, D); continue; }
+#endif
+        tile_generic(qf + i * D, acc + i * D, &m[i], &l[i], kt, vt, a, nl, it->cap, D);
       }
     }
   }
-  for (int i = 0; i < nr * G; i++) {
-    const float inv = 1.f / l[i];
-    for (int d = 0; d < D; d++) acc[i * D + d] *= inv;
-    store_row(out, ((int64_t)(r0 + i / G) * Hq + h * G + i % G) * D, D, dtype, acc + i * D);
-  }
+  store_outputs(it, D, acc, l);
 }
-#endif
 
-/* The rows one item may take: ROWS (at most ROW_FLOATS of queries) on the AVX2 build for rows of a shared sequence,
-   else 1 */
+/* The rows one item may take: ROWS (at most ROW_FLOATS of queries) for rows of a shared sequence, else 1 */
 static int rows_per_item(int G, int D, const int32_t* seqs) {
-#if defined(ROWWISE_ITEMS)
-  if (seqs != NULL && D % 8 == 0) {
-    const int fit = ROW_FLOATS / (G * D);
-    return fit < ROWS ? fit : ROWS;
-  }
-#endif
-  (void)G; (void)D; (void)seqs;
-  return 1;
+  if (seqs == NULL) return 1;
+  const int fit = ROW_FLOATS / (G * D);
+  return fit < ROWS ? fit : ROWS;
 }
 
 /* items (rows [first[b], first[b + 1]), kv head h): row r attends tokens [lo, lens[r]) of the sequence whose block
@@ -381,26 +396,20 @@ static void run_items(const void* q, const void* kc, const void* vc, const int32
   const int chunk = B >= 2 * threads ? Hkv : 1;
   #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
   for (int item = 0; item < B * Hkv; item++) {
-    const int b = item / Hkv, h = item % Hkv, s = first[b];
-    const int32_t* table = block_tables + (int64_t)(seqs ? seqs[s] : s) * MB;
-    const int len = lens[s], lo = window_start(len, window);
-#if defined(ROWWISE_ITEMS)
-    const int nr = first[b + 1] - s;
-#define AVX2_ITEM(NV) item_avx2(q, kc, vc, table, lens, s, nr, window, out, h, G, Hq, Hkv, BS, scale, cap, dtype, NV)
-    if (D == 64) { AVX2_ITEM(8); continue; }
-    if (D == 128) { AVX2_ITEM(16); continue; }
-    if (D % 8 == 0) { AVX2_ITEM(D / 8); continue; }
-#undef AVX2_ITEM
-#endif
+    const int b = item / Hkv, s = first[b];
+    const Item it = {q, kc, vc, block_tables + (int64_t)(seqs ? seqs[s] : s) * MB, lens, out, s, first[b + 1] - s,
+                     window, item % Hkv, G, Hq, Hkv, BS, dtype, scale, cap};
 #if defined(__AVX512BF16__)
-    if (dtype == BF16 && D == 64) { item_bf16(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, BS, scale, cap, 4); continue; }
-    if (dtype == BF16 && D == 128) { item_bf16(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, BS, scale, cap, 8); continue; }
+    if (dtype == BF16 && D == 64) { item_bf16(&it, 4); continue; }
+    if (dtype == BF16 && D == 128) { item_bf16(&it, 8); continue; }
+    if (dtype == BF16 && D % 32 == 0) { item_bf16(&it, D / 16); continue; }
 #endif
-#if defined(__AVX512F__)
-    if (D == 64) { item_avx512(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, BS, scale, cap, dtype, 4); continue; }
-    if (D == 128) { item_avx512(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, BS, scale, cap, dtype, 8); continue; }
+#if defined(SIMD_LANES)
+    if (D == 64) { item_fp32(&it, 64, 1); continue; }
+    if (D == 128) { item_fp32(&it, 128, 1); continue; }
+    if (D % SIMD_LANES == 0) { item_fp32(&it, D, 1); continue; }
 #endif
-    item_generic(q, kc, vc, table, lo, len, out, s, h, G, Hq, Hkv, D, BS, scale, cap, dtype);
+    item_fp32(&it, D, 0);
   }
 }
 

@@ -9,12 +9,12 @@ same libgomp torch loaded). `load_decode_kernel` is None when no compiler works 
 its length (row_lens[r] = its position + 1, causal), so decode rows, the rows of a prefill chunk (fresh or after a
 cached prefix) and speculative verify rows all run one code path, and a row's output is bit-identical whatever else
 the call holds (batch-invariant serving, serve/attention.py). It also takes a layer's AttentionSpec: a sliding
-window (the row reads its last `window` positions, tiles from the first of them; AVX2: tiles at multiples of 16,
-the first partial) and a logit soft-cap (cap * tanh(score / cap) before the softmax, fp32 throughout, where the
-masked torch path rounds P to the dtype).
-The AVX-512 builds read each row's context once per row; the AVX2 build (8-lane FMAs, exp.h's exp8) gives an item
-up to 8 consecutive rows of one sequence (a prefill chunk's), which share each K/V tile's fp32 copy, each row
-computed as it would be alone (2.6x the one-row-per-item kernel on a 512-token prefill).
+window (the row reads its last `window` positions, in tiles at multiples of 16, the first partial) and a logit
+soft-cap (cap * tanh(score / cap) before the softmax, fp32 throughout, where the masked torch path rounds P to the
+dtype).
+Every build (AVX-512 BF16, AVX-512, AVX2, plain C) gives an item up to 8 consecutive rows of one sequence (a
+prefill chunk's), which share each K/V tile, each row computed as it would be alone (BENCHMARKS.md, eighteenth
+session: one row per item on AVX-512 made a chunked prefill over a cached prefix slower than SDPA).
 Precondition the launchers do not check (it would read the tables): each length <= MB * block_size and every
 table entry it reaches a block of the cache.
 """

@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.kernels.cpu.paged_decode import load_decode_kernel, load_rows_kernel, paged_decode, paged_rows, \
-    paged_rows_ref
+from tests.kernels.cpu_builds import NARROWER, narrower_library
+
+from quantkit.kernels.cpu.paged_decode import ROWS_SIGNATURE, SIGNATURE, load_decode_kernel, load_rows_kernel, \
+    paged_decode, paged_rows, paged_rows_ref
 from quantkit.models.attention import AttentionSpec
 from quantkit.serve.attention import AttentionMetadata, TorchPagedAttention
 
@@ -17,24 +19,32 @@ HQ, HKV, D, BS = 9, 3, 64, 16  # the bundled SmolLM2's heads; 16-token blocks
 SPECS = [AttentionSpec(0.125), AttentionSpec(0.125, sliding_window=20, logit_softcap=30.0)]
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    fn = load_rows_kernel()
-    if fn is None:
-        pytest.fail("the C decode kernel did not build: a C compiler (gcc) is expected on this machine")
-    return fn
+@pytest.fixture(scope="module", params=["native", *sorted(NARROWER)])
+def build(request, tmp_path_factory):
+    """(rows, decode) functions of paged_decode.c as this CPU's build, or built for a narrower instruction set:
+    AVX-512 without BF16 (fp32 tiles), AVX2, plain C"""
+    if request.param == "native":
+        rows, decode = load_rows_kernel(), load_decode_kernel()
+        if rows is None:
+            pytest.fail("the C decode kernel did not build: a C compiler (gcc) is expected on this machine")
+        return rows, decode
+    flags, needs = NARROWER[request.param]
+    lib = narrower_library("paged_decode", flags, tmp_path_factory.mktemp(request.param),
+                           {"paged_rows": ROWS_SIGNATURE, "paged_decode": SIGNATURE}, needs)
+    return lib.paged_rows, lib.paged_decode
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
-# AVX-512: bf16 dot-product, fp32, generic, generic paths; AVX2: the AVX2 item, 36 the generic one
+# native AVX-512 BF16: bf16 dot products (64, 128, 32), fp32 tiles; 36: plain C tiles on every build
 @pytest.mark.parametrize("head_dim", [64, 128, 32, 36])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 20.0), (40, 10.0)])
-def test_rows_kernel_matches_reference(kernel, dtype, tol, head_dim, window, softcap):
+def test_rows_kernel_matches_reference(build, dtype, tol, head_dim, window, softcap):
+    kernel, decode = build
     gen = torch.Generator().manual_seed(head_dim + (window or 0))
     k_cache = torch.randn(20, BS, HKV, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(20, BS, HKV, head_dim, generator=gen).to(dtype)
     tables = torch.randperm(20, generator=gen)[:18].view(2, 9).to(torch.int32).contiguous()
-    # tile edges, the whole table, then a chunk's 20 consecutive rows (AVX2: items of up to 8 rows)
+    # tile edges, the whole table, then a chunk's 20 consecutive rows (items of up to 8 rows)
     row_seqs = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1, 0, 1] + [1] * 20, dtype=torch.int32)
     row_lens = torch.tensor([1, 15, 16, 17, 33, 70, 5, 129, 144, 2, *range(45, 65)], dtype=torch.int32)
     q = (torch.randn(len(row_lens), HQ, head_dim, generator=gen) * 2).to(dtype)
@@ -49,12 +59,12 @@ def test_rows_kernel_matches_reference(kernel, dtype, tol, head_dim, window, sof
         assert torch.equal(alone, out[r:r + 1]), r
     if window is None and softcap is None:  # the decode kernel is the same item
         decoded = torch.empty_like(q)
-        paged_decode(load_decode_kernel(), q, k_cache, v_cache, tables[row_seqs.long()].contiguous(), row_lens, 0.125,
-                     decoded)
+        paged_decode(decode, q, k_cache, v_cache, tables[row_seqs.long()].contiguous(), row_lens, 0.125, decoded)
         assert torch.equal(decoded, out)
 
 
-def test_launcher_refuses_row_tables_it_cannot_read(kernel):
+def test_launcher_refuses_row_tables_it_cannot_read():
+    kernel = load_rows_kernel()
     q = torch.randn(2, HQ, D).bfloat16()
     cache = torch.randn(4, BS, HKV, D).bfloat16()
     tables = torch.zeros(1, 4, dtype=torch.int32)
