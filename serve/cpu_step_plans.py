@@ -71,8 +71,8 @@ def _layer_unsupported(layer, attn: TorchPagedAttention, i: int) -> Optional[str
         return f"{type(sa).__name__}"
     if type(layer.ffn) not in (MLP, FusedMLP):
         return f"{type(layer.ffn).__name__} (a SiLU MLP)"
-    if layer.rotary.attention_factor != 1.0 or layer.rotary.long_inv_freq is not None:
-        return "longrope's scaled cos/sin"
+    if layer.rotary.long_inv_freq is not None:
+        return "longrope's frequencies, not settled for one serving length"
     if attn.rows_kernel is None and (attn.decode_kernel is None or not kernel_servable(sa.spec)):
         return "attention the decode kernel does not compute (sliding window or soft-cap)"
     return None
@@ -144,7 +144,7 @@ class Plans:
 
     def _table(self, rotary) -> torch.Tensor:
         if id(rotary.inv_freq) not in self._rope:
-            self._rope[id(rotary.inv_freq)] = rope_table_rows(rotary.inv_freq, self.runner.max_model_len)
+            self._rope[id(rotary.inv_freq)] = rope_table_rows(rotary, self.runner.max_model_len)
         return self._rope[id(rotary.inv_freq)]
 
     def _bf16(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

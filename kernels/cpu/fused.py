@@ -83,12 +83,16 @@ def kv_store_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
 
-# rope_table_rows - inv_freq fp32 [D/2], size -> fp32 [size, D]
-def rope_table_rows(inv_freq: torch.Tensor, size: int) -> torch.Tensor:
-    """Row p = cos(p * inv_freq) | sin(p * inv_freq), the fp32 angles of the model's rotary embedding (each row is
-    computed alone: a longer table's first rows are a shorter one's)."""
-    freqs = torch.arange(size, device=inv_freq.device).to(torch.float32)[:, None] * inv_freq  # [P, D/2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+# rope_table_rows - rotary (inv_freq fp32 [D/2], attention_factor), size -> fp32 [size, D]
+def rope_table_rows(rotary, size: int) -> torch.Tensor:
+    """Row p = cos(p * inv_freq) | sin(p * inv_freq) of the rotary embedding, in fp32, times its attention factor
+    (longrope, YaRN) as its forward scales them (each row is computed alone: a longer table's first rows are a
+    shorter one's)."""
+    freqs = torch.arange(size, device=rotary.inv_freq.device).to(torch.float32)[:, None] * rotary.inv_freq  # [P, D/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    if rotary.attention_factor != 1.0:
+        cos, sin = cos * rotary.attention_factor, sin * rotary.attention_factor
+    return torch.cat((cos, sin), dim=-1).contiguous()
 
 
 class CpuFusedOps:
@@ -136,12 +140,13 @@ class CpuFusedOps:
                               n, shape[-1], eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
         return out.view(shape), total
 
-    # rope_table - positions int [T], inv_freq fp32 [D/2] -> fp32 [P, D], P > max(positions)
-    def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    # rope_table - positions int [T], rotary (its inv_freq fp32 [D/2]) -> fp32 [P, D], P > max(positions)
+    def rope_table(self, positions: torch.Tensor, rotary) -> torch.Tensor:
         """rope_table_rows' table, long enough for positions. Every layer of one forward passes the same positions
         tensor: checked once per forward (the cache holds that tensor, so its identity cannot be recycled for
         another), grown by doubling; one table per inv_freq tensor (at most _MAX_ROPE_TABLES, the oldest dropped),
         so alternating rotaries do not rebuild each layer."""
+        inv_freq = rotary.inv_freq
         _, last_positions, table = self._rope.get(id(inv_freq), (inv_freq, None, _NO_TABLE))
         if last_positions is positions:
             return table
@@ -149,7 +154,7 @@ class CpuFusedOps:
         if rows < need:  # grown by doubling; a new inv_freq's table as long as the others (the same positions)
             floor = 2 * rows if rows else max((t.shape[0] for _, _, t in self._rope.values()), default=0)
             size = max(need, floor, _MIN_ROPE_TABLE)
-            table = rope_table_rows(inv_freq, size)
+            table = rope_table_rows(rotary, size)
         if id(inv_freq) not in self._rope and len(self._rope) >= _MAX_ROPE_TABLES:
             del self._rope[next(iter(self._rope))]
         self._rope[id(inv_freq)] = (inv_freq, positions, table)
@@ -157,11 +162,12 @@ class CpuFusedOps:
 
     # rope - q [T, Hq, D], k [T, Hkv, D] (tokens at any stride, heads contiguous), positions int [T] -> (q, k)
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary):
-        """q and k rotated in place at positions (rotary: the model's rotary embedding, for its inv_freq; one whose
-        cos/sin are scaled, longrope's attention factor, takes the fallback)."""
-        if q.dim() != 3 or positions.dim() != 1 or not _ours(q, k) or rotary.attention_factor != 1.0:
+        """q and k rotated in place at positions (rotary: the model's rotary embedding, for its inv_freq and
+        attention factor; an unsettled longrope one, whose frequencies switch with the positions, takes the
+        fallback)."""
+        if q.dim() != 3 or positions.dim() != 1 or not _ours(q, k) or rotary.long_inv_freq is not None:
             return self.fallback.rope(q, k, positions, rotary)
-        table = self.rope_table(positions, rotary.inv_freq)
+        table = self.rope_table(positions, rotary)
         positions = positions.to(torch.int64).contiguous()
         n, qs = _rows(q)
         nk, ks = _rows(k)

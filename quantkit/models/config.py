@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from quantkit.errors import QuantkitError
 from quantkit.models.family import family_of
+from quantkit.models.layers import ROPE_TYPES, unsupported_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer types
 
@@ -28,7 +29,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None  # {"rope_type": "linear" | "llama3" | "longrope", ...}; None = default
+    rope_scaling: Optional[dict] = None  # {"rope_type": one of ROPE_TYPES (layers.py), ...}; None = default
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     model_type: str = "llama"
@@ -104,8 +105,10 @@ def rope_parameters(hf: dict) -> dict:
 
 
 def parse_rope(rope: dict, hf: dict, where: str, default_theta: float = 10000.0) -> tuple[float, Optional[dict]]:
-    """One RoPE dict -> (theta, scaling or None for the default rope); longrope gets its factor and original
-    length filled in as HF derives them."""
+    """One RoPE dict -> (theta, scaling or None for the default rope). The scaled types get their pretraining length
+    and factor filled in as transformers derives them: original_max_position_embeddings from the config's top level
+    (Phi-3 keeps it there), else the RoPE dict, else max_position_embeddings; a missing longrope / yarn factor is
+    max_position_embeddings over that length."""
     theta = float(rope.pop("rope_theta", None) or hf.get("rope_theta") or default_theta)
     if rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise QuantkitError(f"{where}: partial_rotary_factor != 1 (RoPE on part of each head) is not supported")
@@ -113,13 +116,14 @@ def parse_rope(rope: dict, hf: dict, where: str, default_theta: float = 10000.0)
     kind = "longrope" if kind == "su" else kind
     if kind == "default":
         return theta, None
-    if kind not in ("linear", "llama3", "longrope"):
-        raise QuantkitError(f"{where}: rope scaling type {kind!r} is not supported (supported: default, linear, "
-                            f"llama3, longrope)")
-    if kind == "longrope":
-        original = rope.get("original_max_position_embeddings") or need(hf, "original_max_position_embeddings", where)
+    if kind not in ROPE_TYPES:
+        raise QuantkitError(f"{where}: {unsupported_rope(kind)}")
+    if kind in ("llama3", "longrope", "yarn"):
+        original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
+            or need(hf, "max_position_embeddings", where)
         rope["original_max_position_embeddings"] = original
-        rope.setdefault("factor", hf.get("max_position_embeddings", original) / original)
+    if kind in ("longrope", "yarn") and rope.get("factor") is None:
+        rope["factor"] = hf.get("max_position_embeddings", original) / original
     return theta, {**rope, "rope_type": kind}
 
 

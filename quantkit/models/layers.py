@@ -84,9 +84,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+ROPE_TYPES = ("linear", "llama3", "longrope", "yarn")  # the scaled RoPE types beside the default one
+
+
+def unsupported_rope(kind: str) -> str:
+    return f"rope scaling type {kind!r} is not supported (supported: default, {', '.join(ROPE_TYPES)})"
+
+
 def rope_inv_freq(cfg, sliding: bool = False, long: bool = False) -> torch.Tensor:
     """inv_freq [D/2] float32 (on CPU) of the full-attention layers, or of the sliding ones (`sliding`: Gemma 3's
-    local base), with linear / llama3 / longrope frequency scaling; `long`: longrope's long-context factors."""
+    local base), with one of ROPE_TYPES' frequency scaling; `long`: longrope's long-context factors."""
     theta, scaling = cfg.rope(sliding)
     d = cfg.head_dim
     exponents = torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d
@@ -113,15 +120,50 @@ def rope_inv_freq(cfg, sliding: bool = False, long: bool = False) -> torch.Tenso
         ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
         exponents = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
         return 1.0 / (ext * theta ** exponents)
-    raise QuantkitError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
+    if kind == "yarn":
+        return yarn_inv_freq(scaling, theta, d)
+    raise QuantkitError(unsupported_rope(kind))
 
 
-def longrope_attention_factor(scaling: dict) -> float:
-    """cos and sin of longrope are multiplied by this: sqrt(1 + ln(factor) / ln(original length))."""
+def yarn_inv_freq(scaling: dict, theta: float, d: int) -> torch.Tensor:
+    """YaRN (Qwen2.5/3 long context): frequency i is blended between itself (extrapolation: the fast ones, over
+    beta_fast or more rotations in the pretraining length) and itself / factor (interpolation: the slow ones, under
+    beta_slow rotations), on a linear ramp over the dimensions in between (their bounds floored / ceiled unless
+    `truncate` is false); in fp32, as transformers computes it."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension_of(rotations: float) -> float:  # the dimension that turns `rotations` times in `original` tokens
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(fast), dimension_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    kept = 1 - ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    powers = theta ** (torch.arange(0, d, 2, device="cpu").float() / d)  # [D/2]: 1 / each unscaled frequency
+    return 1.0 / (factor * powers) * (1 - kept) + 1.0 / powers * kept  # HF's operation order, bit for bit
+
+
+def rope_attention_factor(scaling: Optional[dict]) -> float:
+    """What cos and sin are multiplied by: `attention_factor` where set, else longrope's sqrt(1 + ln(factor) /
+    ln(original length)), YaRN's mscale(factor) = 0.1 ln(factor) + 1 (DeepSeek's mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) where both are set); 1 for the other types."""
+    kind = scaling["rope_type"] if scaling else "default"
+    if kind not in ("longrope", "yarn"):
+        return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if factor <= 1.0:
+        return 1.0
+    if kind == "longrope":
+        return math.sqrt(1 + math.log(factor) / math.log(original))
+    mscale, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dims:
+        return (0.1 * mscale * math.log(factor) + 1) / (0.1 * all_dims * math.log(factor) + 1)
+    return 0.1 * math.log(factor) + 1
 
 
 class RotaryEmbedding(nn.Module):
@@ -137,7 +179,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("long_inv_freq", rope_inv_freq(cfg, sliding, long=True) if longrope else None,
                              persistent=False)
         self.long_from = scaling["original_max_position_embeddings"] if longrope else None  # first long position
-        self.attention_factor = longrope_attention_factor(scaling) if longrope else 1.0
+        self.attention_factor = rope_attention_factor(scaling)
         self._last = None  # (positions, dtype, inv_freq, (cos, sin)) of the latest call
 
     def settle(self, max_len: int) -> None:

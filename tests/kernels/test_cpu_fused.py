@@ -16,6 +16,7 @@ from tests.conftest import tiny_hf_config
 # output (the torch path rounds after every op, the kernels once)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 DTYPES = list(TOLERANCE)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,8 @@ def test_silu_mul(ops, dtype, rows):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                     YARN])  # YaRN: cos and sin scaled by its attention factor
 def test_rope_in_place_matches_torch(ops, dtype, scaling):
     cfg = ModelConfig.from_hf(tiny_hf_config("llama", rope_scaling=scaling, rope_theta=10000.0, head_dim=32))
     rotary = RotaryEmbedding(cfg)
@@ -81,7 +83,7 @@ def test_rope_in_place_matches_torch(ops, dtype, scaling):
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
     close(got_q, want_q, dtype)
     close(got_k, want_k, dtype)
-    table = ops.rope_table(positions, rotary.inv_freq)
+    table = ops.rope_table(positions, rotary)
     assert table.shape[0] > 1000
     # no FMA contraction in the kernel: the same fp32 products and sums as the reference, one rounding
     assert torch.equal(got_q, fused.rope_ref(q_before, positions, table))
@@ -122,18 +124,22 @@ def test_rope_table_is_the_rotary_embeddings_cos_and_sin(ops):
     rotary = RotaryEmbedding(cfg)
     ops = CpuFusedOps(ops.lib, TorchOps)  # a fresh table
     positions = torch.tensor([0, 7, 255, 3, 100])
-    table = ops.rope_table(positions, rotary.inv_freq)
+    table = ops.rope_table(positions, rotary)
     assert table.shape == (256, 32) and table.dtype == torch.float32
     cos, sin = rotary(positions, torch.float32)  # [T, 1, D], each half the same angles
     assert torch.equal(table[positions], torch.cat((cos[:, 0, :16], sin[:, 0, :16]), dim=-1))
-    assert ops.rope_table(positions, rotary.inv_freq) is table  # the same forward: no check, no rebuild
-    grown = ops.rope_table(torch.tensor([300]), rotary.inv_freq)
+    assert ops.rope_table(positions, rotary) is table  # the same forward: no check, no rebuild
+    grown = ops.rope_table(torch.tensor([300]), rotary)
     assert grown.shape[0] == 512 and torch.equal(grown[:256], table)
-    assert ops.rope_table(torch.tensor([5]), rotary.inv_freq) is grown  # smaller positions reuse it
+    assert ops.rope_table(torch.tensor([5]), rotary) is grown  # smaller positions reuse it
     rotary.inv_freq = rotary.inv_freq * 0.5  # another tensor (a model with other RoPE scaling): rebuilt, same size
-    rebuilt = ops.rope_table(torch.tensor([5]), rotary.inv_freq)
+    rebuilt = ops.rope_table(torch.tensor([5]), rotary)
     cos, sin = rotary(torch.arange(512), torch.float32)
     assert torch.equal(rebuilt, torch.cat((cos[:, 0, :16], sin[:, 0, :16]), dim=-1))
+    yarn = RotaryEmbedding(ModelConfig.from_hf(tiny_hf_config("llama", rope_scaling=YARN, head_dim=32)))
+    assert yarn.attention_factor == pytest.approx(1.1386, abs=1e-4)  # 0.1 ln(4) + 1
+    cos, sin = yarn(positions, torch.float32)  # scaled by the attention factor, in the table too
+    assert torch.equal(ops.rope_table(positions, yarn)[positions], torch.cat((cos[:, 0, :16], sin[:, 0, :16]), -1))
 
 
 def test_inputs_the_kernels_do_not_cover_take_the_fallback(ops):

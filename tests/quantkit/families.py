@@ -18,12 +18,14 @@ BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             bos_token_id=None, eos_token_id=None)  # no EOS: generate runs all its tokens
 LONGROPE = {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
             "long_factor": [2.0 + 0.3 * i for i in range(8)]}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}  # Qwen3's long-context setting
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILIES = {
     "llama": ("llama", {}),
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # layer 1 slides
     "qwen3": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "qwen3-yarn": ("qwen3", dict(head_dim=16, rope_scaling=YARN)),  # cos/sin scaled by its attention factor
     "gemma2": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
                               attn_logit_softcapping=1.0, final_logit_softcapping=5.0)),
     "gemma3": ("gemma3_text", dict(num_hidden_layers=6, sliding_window_pattern=3, head_dim=16, query_pre_attn_scalar=24,

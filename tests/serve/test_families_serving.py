@@ -133,8 +133,8 @@ def test_alternating_rotaries_keep_one_rope_table_each(folders):
     if ops is None:
         pytest.skip("the fused CPU kernels do not build here")
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    inv_freqs = [r.inv_freq for r in llm.loaded.model.rotaries()]
-    assert len(inv_freqs) == 2 and all(id(f) in ops._rope for f in inv_freqs)
-    tables = [ops._rope[id(f)][2] for f in inv_freqs]
+    rotaries = list(llm.loaded.model.rotaries())
+    assert len(rotaries) == 2 and all(id(r.inv_freq) in ops._rope for r in rotaries)
+    tables = [ops._rope[id(r.inv_freq)][2] for r in rotaries]
     positions = torch.arange(8)
-    assert all(ops.rope_table(positions, f) is t for f, t in zip(inv_freqs * 2, tables * 2))  # no rebuild
+    assert all(ops.rope_table(positions, r) is t for r, t in zip(rotaries * 2, tables * 2))  # no rebuild
