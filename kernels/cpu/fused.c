@@ -42,14 +42,15 @@ static void add_rms_norm_##SUF(const T* x, int64_t xs, const T* res, T* sum, con
   }                                                                                                            \
 }
 
-/* q [T, Hq, D] (token stride qs), k [T, Hk, D] (token stride ks), heads contiguous; table [P, D] fp32 */
+/* q [T, Hq, D] (token stride qs), k [T, Hk, D] (token stride ks), heads contiguous; table [P, R] fp32: the first
+   R <= D dims of each head rotate (pairs i, i + R/2), the rest pass through (partial rotary) */
 #define ROPE(SUF, T, LD, ST)                                                                                  \
 static void rope_##SUF(T* q, int64_t qs, int hq, T* k, int64_t ks, int hk, const int64_t* pos,                \
-                       const float* table, int n, int d, int threads) {                                       \
-  const int half = d / 2;                                                                                      \
+                       const float* table, int n, int d, int r, int threads) {                                \
+  const int half = r / 2;                                                                                      \
   _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
   for (int t = 0; t < n; t++) {                                                                                \
-    const float* c = table + pos[t] * d;                                                                       \
+    const float* c = table + pos[t] * r;                                                                       \
     const float* s = c + half;                                                                                 \
     for (int hh = 0; hh < hq + hk; hh++) {                                                                     \
       T* x = hh < hq ? q + (int64_t)t * qs + (int64_t)hh * d : k + (int64_t)t * ks + (int64_t)(hh - hq) * d;  \
@@ -92,10 +93,10 @@ void add_rms_norm(const void* x, int64_t xs, const void* res, void* sum, const v
 }
 
 void rope(void* q, int64_t qs, int hq, void* k, int64_t ks, int hk, const int64_t* pos, const float* table,
-          int n, int d, int dtype, int threads) {
-  if (dtype == F32) rope_f32(q, qs, hq, k, ks, hk, pos, table, n, d, threads);
-  else if (dtype == BF16) rope_bf16(q, qs, hq, k, ks, hk, pos, table, n, d, threads);
-  else rope_f16(q, qs, hq, k, ks, hk, pos, table, n, d, threads);
+          int n, int d, int r, int dtype, int threads) {
+  if (dtype == F32) rope_f32(q, qs, hq, k, ks, hk, pos, table, n, d, r, threads);
+  else if (dtype == BF16) rope_bf16(q, qs, hq, k, ks, hk, pos, table, n, d, r, threads);
+  else rope_f16(q, qs, hq, k, ks, hk, pos, table, n, d, r, threads);
 }
 
 void silu_mul(const void* g, int64_t gs, const void* u, int64_t us, void* out, int n, int m, int dtype,

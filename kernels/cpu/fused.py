@@ -3,7 +3,8 @@ rows, fp32 math):
 
   add_rms_norm   sum = residual + x (rounded to the dtype), out = weight * rms_norm(sum): one pass instead of
                  the eight ops of the torch path
-  rope           rotate-half RoPE of q and k in place, cos/sin from a fp32 table [positions, D] (cos | sin)
+  rope           rotate-half RoPE of q and k in place, cos/sin from a fp32 table [positions, R] (cos | sin) over
+                 the first R <= D dims of each head (R < D: partial rotary, the rest pass through)
   silu_mul       out = silu(gate) * up
   kv_store       copy each token's K and V rows into the paged cache at its slot (replaces index_copy_)
 
@@ -26,7 +27,7 @@ from quantkit.kernels.cpu.build import DTYPE_CODES, load_library
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "add_rms_norm": [_P, _I64, _P, _P, _P, _P, _INT, _INT, _F, _INT, _INT],
-    "rope": [_P, _I64, _INT, _P, _I64, _INT, _P, _P, _INT, _INT, _INT, _INT],
+    "rope": [_P, _I64, _INT, _P, _I64, _INT, _P, _P, _INT, _INT, _INT, _INT, _INT],
     "silu_mul": [_P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT],
     "kv_store": [_P, _I64, _P, _I64, _P, _P, _P, _INT, _I64, _INT],
 }
@@ -64,11 +65,12 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     return (weight.float() * normed.float()).to(x.dtype), total
 
 
-# rope_ref - x [T, H, D], positions int [T], table fp32 [P, D] (cos | sin) -> [T, H, D], x's dtype
+# rope_ref - x [T, H, D], positions int [T], table fp32 [P, R] (cos | sin; R <= D rotated dims) -> [T, H, D], x's dtype
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    cos, sin = table[positions.long()][:, None].chunk(2, dim=-1)  # [T, 1, D/2] each
-    a, b = x.float().chunk(2, dim=-1)
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
+    cos, sin = table[positions.long()][:, None].chunk(2, dim=-1)  # [T, 1, R/2] each
+    a, b = x[..., : table.shape[1]].float().chunk(2, dim=-1)
+    rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
+    return torch.cat((rotated, x[..., table.shape[1]:]), dim=-1)
 
 
 # silu_mul_ref - gate, up [..., I] -> [..., I], gate's dtype
@@ -83,7 +85,13 @@ def kv_store_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
 
-# rope_table_rows - rotary (inv_freq fp32 [D/2], attention_factor), size -> fp32 [size, D]
+def rotates_within(table: torch.Tensor, q: torch.Tensor) -> bool:
+    """A RoPE table [P, R] fits heads [.., D]: R even, 0 < R <= D (R < D: partial rotary, the rest passes)."""
+    r = table.shape[1]
+    return 0 < r <= q.shape[-1] and r % 2 == 0
+
+
+# rope_table_rows - rotary (inv_freq fp32 [R/2], attention_factor), size -> fp32 [size, R] (R: the rotated dims)
 def rope_table_rows(rotary, size: int) -> torch.Tensor:
     """Row p = cos(p * inv_freq) | sin(p * inv_freq) of the rotary embedding, in fp32, times its attention factor
     (longrope, YaRN) as its forward scales them (each row is computed alone: a longer table's first rows are a
@@ -140,7 +148,7 @@ class CpuFusedOps:
                               n, shape[-1], eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
         return out.view(shape), total
 
-    # rope_table - positions int [T], rotary (its inv_freq fp32 [D/2]) -> fp32 [P, D], P > max(positions)
+    # rope_table - positions int [T], rotary (its inv_freq fp32 [R/2]) -> fp32 [P, R], P > max(positions)
     def rope_table(self, positions: torch.Tensor, rotary) -> torch.Tensor:
         """rope_table_rows' table, long enough for positions. Every layer of one forward passes the same positions
         tensor: checked once per forward (the cache holds that tensor, so its identity cannot be recycled for
@@ -171,11 +179,12 @@ class CpuFusedOps:
         positions = positions.to(torch.int64).contiguous()
         n, qs = _rows(q)
         nk, ks = _rows(k)
-        if nk != n or positions.shape[0] != n or k.shape[2] != q.shape[2] or table.shape[1] != q.shape[2]:
-            raise ValueError(f"rope: q [T, Hq, D], k [T, Hkv, D], positions [T], table [P, D]; got q {tuple(q.shape)}, "
-                             f"k {tuple(k.shape)}, positions {tuple(positions.shape)}, table {tuple(table.shape)}")
+        if nk != n or positions.shape[0] != n or k.shape[2] != q.shape[2] or not rotates_within(table, q):
+            raise ValueError(f"rope: q [T, Hq, D], k [T, Hkv, D], positions [T], table [P, R <= D]; got q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)}, table "
+                             f"{tuple(table.shape)}")
         self.lib.rope(q.data_ptr(), qs, q.shape[1], k.data_ptr(), ks, k.shape[1], positions.data_ptr(),
-                      table.data_ptr(), n, q.shape[-1], DTYPE_CODES[q.dtype], torch.get_num_threads())
+                      table.data_ptr(), n, q.shape[-1], table.shape[1], DTYPE_CODES[q.dtype], torch.get_num_threads())
         return q, k
 
     # silu_mul - gate, up [..., I] (rows at any stride) -> [..., I] contiguous, gate's dtype

@@ -15,7 +15,8 @@ enum { OP_ADD_RMS_NORM, OP_ROPE, OP_SILU_MUL, OP_KV_STORE, OP_QGEMV, OP_ROWWISE_
 /* the other libraries' kernels (fused.c, gemv.c, rowwise_gemm.c, gemm.c, paged_decode.c), as declared there */
 typedef void (*add_rms_norm_fn)(const void*, int64_t, const void*, void*, const void*, void*, int, int, float, int,
                                 int);
-typedef void (*rope_fn)(void*, int64_t, int, void*, int64_t, int, const int64_t*, const float*, int, int, int, int);
+typedef void (*rope_fn)(void*, int64_t, int, void*, int64_t, int, const int64_t*, const float*, int, int, int, int,
+                        int);
 typedef void (*silu_mul_fn)(const void*, int64_t, const void*, int64_t, void*, int, int, int, int);
 typedef void (*kv_store_fn)(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int, int64_t,
                             int);
@@ -61,7 +62,7 @@ void run_plan(const int64_t* ops, int n, int threads) {
         ((add_rms_norm_fn)fn)(P(0), a[1], P(2), P(3), P(4), P(5), I(6), I(7), bits_f32(a[8]), I(9), threads);
         break;
       case OP_ROPE:
-        ((rope_fn)fn)(P(0), a[1], I(2), P(3), a[4], I(5), P(6), P(7), I(8), I(9), I(10), threads);
+        ((rope_fn)fn)(P(0), a[1], I(2), P(3), a[4], I(5), P(6), P(7), I(8), I(9), I(10), I(11), threads);
         break;
       case OP_SILU_MUL: ((silu_mul_fn)fn)(P(0), a[1], P(2), a[3], P(4), I(5), I(6), I(7), threads); break;
       case OP_KV_STORE: ((kv_store_fn)fn)(P(0), a[1], P(2), a[3], P(4), P(5), P(6), I(7), a[8], threads); break;

@@ -115,18 +115,19 @@ class Plan:
                      [x.data_ptr(), xs, _ptr(residual), _ptr(total), weight.data_ptr(), out.data_ptr(), n, h,
                       _bits(eps), DTYPE_CODES[x.dtype]], x, residual, total, weight, out)
 
-    # rope - q [n, Hq, D], k [n, Hk, D] (tokens at stride, heads contiguous), positions int64 [n], table fp32 [P, D]
+    # rope - q [n, Hq, D], k [n, Hk, D] (tokens at stride, heads contiguous), positions int64 [n], table fp32 [P, R]
+    #        (R <= D: the first R dims of each head rotate)
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None:
         n, qs = fused._rows(q)
         nk, ks = fused._rows(k)
         if nk != n or positions.shape != (n,) or positions.dtype is not torch.int64 \
-                or table.dtype is not torch.float32 or table.shape[1] != q.shape[2] or k.shape[2] != q.shape[2] \
-                or not table.is_contiguous():
+                or table.dtype is not torch.float32 or not fused.rotates_within(table, q) \
+                or k.shape[2] != q.shape[2] or not table.is_contiguous():
             raise ValueError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)}, "
                              f"table {tuple(table.shape)}")
         self._record("rope", self._fused, [q.data_ptr(), qs, q.shape[1], k.data_ptr(), ks, k.shape[1],
                                                 positions.data_ptr(), table.data_ptr(), n, q.shape[2],
-                                                DTYPE_CODES[q.dtype]], q, k, positions, table)
+                                                table.shape[1], DTYPE_CODES[q.dtype]], q, k, positions, table)
 
     # silu_mul - gate, up [n, I] (rows at stride) -> out [n, I] contiguous
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:

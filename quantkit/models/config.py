@@ -30,6 +30,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None  # {"rope_type": one of ROPE_TYPES (layers.py), ...}; None = default
+    partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim dims of each head, the rest pass (Phi-4-mini)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     model_type: str = "llama"
@@ -49,6 +50,11 @@ class ModelConfig:
     norm_topk_prob: bool = False  # Qwen MoE: renormalise the top-k router weights
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (transformers' int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def window(self, layer_idx: int) -> Optional[int]:
         """The sliding window of layer `layer_idx`, or None (full causal attention)."""
         is_sliding = bool(self.layer_types) and self.layer_types[layer_idx] == SLIDING
@@ -67,7 +73,9 @@ class ModelConfig:
         family = family_of(model_type)
         where = f"{family.name} ({model_type})"
         heads = need(hf, "num_attention_heads", where)
-        theta, scaling = parse_rope(rope_parameters(hf), hf, where)
+        rope = rope_parameters(hf)
+        partial = float(rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
+        theta, scaling = parse_rope(rope, hf, where)
         attention_bias = bool(hf.get("attention_bias", False))
         fields = dict(
             vocab_size=need(hf, "vocab_size", where),
@@ -80,6 +88,7 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
+            partial_rotary_factor=partial,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             model_type=model_type,
@@ -88,7 +97,11 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
         )
         fields.update(family.parse(hf, where))
-        return cls(**fields)
+        cfg = cls(**fields)
+        if cfg.rotary_dim <= 0 or cfg.rotary_dim % 2:
+            raise QuantkitError(f"{where}: partial_rotary_factor {partial} rotates {cfg.rotary_dim} of the "
+                                f"{cfg.head_dim} dims of a head: RoPE needs an even number, at least 2")
+        return cfg
 
 
 def need(hf: dict, key: str, where: str):
@@ -110,8 +123,7 @@ def parse_rope(rope: dict, hf: dict, where: str, default_theta: float = 10000.0)
     (Phi-3 keeps it there), else the RoPE dict, else max_position_embeddings; a missing longrope / yarn factor is
     max_position_embeddings over that length."""
     theta = float(rope.pop("rope_theta", None) or hf.get("rope_theta") or default_theta)
-    if rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise QuantkitError(f"{where}: partial_rotary_factor != 1 (RoPE on part of each head) is not supported")
+    rope.pop("partial_rotary_factor", None)  # ModelConfig.partial_rotary_factor
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     kind = "longrope" if kind == "su" else kind
     if kind == "default":

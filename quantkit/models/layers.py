@@ -78,8 +78,12 @@ class OffsetRMSNorm(RMSNorm):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, H, D], cos/sin [..., T, 1, D]: rotate-half RoPE (HF convention, not interleaved)."""
-    half = x.shape[-1] // 2
+    """x [..., T, H, D], cos/sin [..., T, 1, R]: rotate-half RoPE (HF convention, not interleaved) of the first
+    R <= D dims of each head; the other D - R pass through (partial rotary: Phi-4-mini)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+    half = r // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -92,10 +96,11 @@ def unsupported_rope(kind: str) -> str:
 
 
 def rope_inv_freq(cfg, sliding: bool = False, long: bool = False) -> torch.Tensor:
-    """inv_freq [D/2] float32 (on CPU) of the full-attention layers, or of the sliding ones (`sliding`: Gemma 3's
-    local base), with one of ROPE_TYPES' frequency scaling; `long`: longrope's long-context factors."""
+    """inv_freq [R/2] float32 (on CPU; R = cfg.rotary_dim, the rotated dims of a head) of the full-attention layers,
+    or of the sliding ones (`sliding`: Gemma 3's local base), with one of ROPE_TYPES' frequency scaling; `long`:
+    longrope's long-context factors."""
     theta, scaling = cfg.rope(sliding)
-    d = cfg.head_dim
+    d = cfg.rotary_dim
     exponents = torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d
     inv_freq = 1.0 / (theta ** exponents)
     kind = scaling["rope_type"] if scaling else "default"
@@ -142,7 +147,7 @@ def yarn_inv_freq(scaling: dict, theta: float, d: int) -> torch.Tensor:
     low, high = max(low, 0), min(high, d - 1)
     high = high + 0.001 if low == high else high
     kept = 1 - ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    powers = theta ** (torch.arange(0, d, 2, device="cpu").float() / d)  # [D/2]: 1 / each unscaled frequency
+    powers = theta ** (torch.arange(0, d, 2, device="cpu").float() / d)  # [R/2]: 1 / each unscaled frequency
     return 1.0 / (factor * powers) * (1 - kept) + 1.0 / powers * kept  # HF's operation order, bit for bit
 
 
@@ -193,20 +198,20 @@ class RotaryEmbedding(nn.Module):
         self.long_inv_freq = None
 
     def frequencies(self, positions: torch.Tensor) -> torch.Tensor:
-        """The inv_freq [D/2] for a forward over `positions` (longrope: the long set from long_from on)."""
+        """The inv_freq [R/2] for a forward over `positions` (longrope: the long set from long_from on)."""
         if self.long_inv_freq is not None and int(positions.max()) >= self.long_from:
             return self.long_inv_freq
         return self.inv_freq
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [...] -> cos, sin [..., 1, D] in `dtype` (angles computed in fp32). Every layer of one forward
-        passes the same positions tensor: the result is computed once and reused (the cache holds that tensor, so
-        its identity cannot be recycled for another)."""
+        """positions [...] -> cos, sin [..., 1, R] in `dtype` (R: the config's rotary_dim; angles computed in fp32).
+        Every layer of one forward passes the same positions tensor: the result is computed once and reused (the
+        cache holds that tensor, so its identity cannot be recycled for another)."""
         last = self._last
         if last is not None and last[0] is positions and last[1] == dtype and last[2] is self.inv_freq:
             return last[3]
-        freqs = positions.to(torch.float32).unsqueeze(-1) * self.frequencies(positions)  # [..., D/2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)  # [..., 1, D]
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.frequencies(positions)  # [..., R/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)  # [..., 1, R]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor

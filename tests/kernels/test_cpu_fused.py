@@ -69,8 +69,10 @@ def test_silu_mul(ops, dtype, rows):
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                                      YARN])  # YaRN: cos and sin scaled by its attention factor
-def test_rope_in_place_matches_torch(ops, dtype, scaling):
-    cfg = ModelConfig.from_hf(tiny_hf_config("llama", rope_scaling=scaling, rope_theta=10000.0, head_dim=32))
+@pytest.mark.parametrize("partial", [1.0, 0.75])  # 0.75: the first 24 of 32 dims rotate, the rest pass through
+def test_rope_in_place_matches_torch(ops, dtype, scaling, partial):
+    cfg = ModelConfig.from_hf(tiny_hf_config("llama", rope_scaling=scaling, rope_theta=10000.0, head_dim=32,
+                                             partial_rotary_factor=partial))
     rotary = RotaryEmbedding(cfg)
     gen = torch.Generator().manual_seed(3)
     tokens, hq, hkv, d = 11, 4, 2, cfg.head_dim
@@ -168,8 +170,8 @@ def test_launchers_refuse_what_the_kernels_do_not_take(ops):
         ops.silu_mul(x, x[:, :32])
     cfg = ModelConfig.from_hf(tiny_hf_config("llama", head_dim=32))
     q, k = torch.randn(4, 2, 64).bfloat16(), torch.randn(4, 1, 64).bfloat16()
-    with pytest.raises(ValueError, match="rope"):  # the rotary embedding is for head_dim 32
-        ops.rope(q, k, torch.arange(4), RotaryEmbedding(cfg))
+    with pytest.raises(ValueError, match="rope"):  # the rotary embedding turns 32 dims, wider than the heads' 16
+        ops.rope(q[..., :16].contiguous(), k[..., :16].contiguous(), torch.arange(4), RotaryEmbedding(cfg))
     k_cache = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="kv_store"):
         ops.kv_store(k, k, k_cache, k_cache, torch.arange(4, dtype=torch.int32))

@@ -32,6 +32,7 @@ FAMILIES = {
                                    sliding_window=WINDOW, rope_local_base_freq=100.0, rope_theta=10000.0,
                                    final_logit_softcapping=5.0)),
     "phi3": ("phi3", dict(sliding_window=WINDOW)),
+    "phi4-mini": ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True)),  # RoPE on 12 of 16 dims
     "phi3-longrope": ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=32,
                                    rope_scaling=LONGROPE)),  # 48 tokens switch to the long factors
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),

@@ -107,7 +107,7 @@ def test_gemma3_old_and_new_rope_keys_parse_alike():
 
 @pytest.mark.parametrize("hf, message", [
     (tiny_hf_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0}), r"Llama \(llama\): rope .* 'dynamic'"),
-    (tiny_hf_config("phi3", partial_rotary_factor=0.75), r"Phi-3 \(phi3\): partial_rotary_factor"),
+    (tiny_hf_config("phi3", partial_rotary_factor=0.2), r"Phi-3 \(phi3\): partial_rotary_factor 0.2 rotates 3 of"),
     (tiny_hf_config("gemma2", use_bidirectional_attention=True), r"Gemma 2 \(gemma2\): use_bidirectional"),
     (tiny_hf_config("qwen2_moe", num_experts=4, num_experts_per_tok=2), r"Qwen2-MoE \(qwen2_moe\) model has no 'moe_"),
     (tiny_hf_config("gpt_neox"), r"'gpt_neox' is not supported: quantkit runs Gemma 2 \(gemma2\), .*Llama \(llama\)"),

@@ -94,9 +94,10 @@ def plan_and_eager(runner, feeds):
 
 
 # llama: plain; qwen2: q/k/v biases, layer 1 sliding; qwen3: q/k RMSNorm; phi3: fused gate_up split at load;
-# qwen3-yarn, phi3-longrope (settled on its long factors by the serving length): cos/sin scaled by a factor
+# qwen3-yarn, phi3-longrope (settled on its long factors by the serving length): cos/sin scaled by a factor;
+# phi4-mini: RoPE on 12 of each head's 16 dims
 CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("qwen3", "bf16"), ("phi3", "bf16"), ("qwen3-yarn", "bf16"),
-         ("phi3-longrope", "bf16"),
+         ("phi3-longrope", "bf16"), ("phi4-mini", "bf16"),
          pytest.param("llama", "w4", marks=needs_gemv), pytest.param("qwen2", "w4", marks=needs_gemv),
          pytest.param("qwen3", "w8", marks=needs_gemv), pytest.param("llama", "mixed", marks=needs_gemv),
          pytest.param("qwen2", "mixed", marks=needs_gemv)]
