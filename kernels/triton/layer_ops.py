@@ -44,8 +44,8 @@ class TritonOps:
         if (q.dim() != 3 or k.dim() != 3 or positions.dim() != 1 or not _ours(q, k) or k.shape[0] != q.shape[0]
                 or k.shape[2] != q.shape[2]):
             return self.fallback.rope(q, k, positions, rotary)
-        cos, sin = rotary(positions, q.dtype)  # [T, 1, D]
-        if cos.shape != (q.shape[0], 1, q.shape[2]) or not (cos.is_contiguous() and sin.is_contiguous()):
+        cos, sin = rotary(positions, q.dtype)  # [T, 1, R], R <= D
+        if cos.shape[:2] != (q.shape[0], 1) or not (cos.is_contiguous() and sin.is_contiguous()):
             return self.fallback.rope(q, k, positions, rotary)
         rope_(q, k, cos, sin)
         return q, k

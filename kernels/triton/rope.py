@@ -1,4 +1,5 @@
-# rope - q [T, Hq, D], k [T, Hkv, D] rotated in place by cos, sin [T, 1, D] (rotate-half RoPE), fp16/bf16/fp32
+# rope - q [T, Hq, D], k [T, Hkv, D] rotated in place by cos, sin [T, 1, R], R <= D (rotate-half RoPE of the first R
+#        dims of each head, the rest untouched: partial rotary), fp16/bf16/fp32
 """Rotate-half RoPE (the HF convention, quantkit/models/layers.py's apply_rope) of q and k in ONE launch, rounding as
 torch's ops do: out = round(round(x * cos) + round(rotate_half(x) * sin)) in x's dtype, rotate_half(x) =
 cat(-x[D/2:], x[:D/2]) (the negation is exact). Products of two 16-bit values are exact in fp32, so each rounding is
@@ -19,7 +20,7 @@ from .common import exact_bf16_cast, round_to
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr,  # q [T, Hq, D], k [T, Hkv, D]; head_dim contiguous
-    cos_ptr, sin_ptr,  # [T, D], contiguous
+    cos_ptr, sin_ptr,  # [T, R = 2 * HALF], contiguous
     HQ, stride_qt, stride_qh, stride_kt, stride_kh,
     HALF: tl.constexpr, BLOCK: tl.constexpr, EXACT_BF16: tl.constexpr,
 ):
@@ -48,18 +49,19 @@ def _rope_kernel(
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place: q [T, Hq, D] and k [T, Hkv, D] (head_dim contiguous, D even) rotated by cos, sin [T, 1, D] (or
-    [T, D]) in q's dtype."""
+    """In place: the first R dims of each head of q [T, Hq, D] and k [T, Hkv, D] (head_dim contiguous) rotated by
+    cos, sin [T, 1, R] (or [T, R]; R even, R <= D) in q's dtype."""
     t, hq, d = q.shape
+    r = cos.shape[-1]
     assert k.dim() == 3 and k.shape[0] == t and k.shape[2] == d and k.dtype == q.dtype, "k [T, Hkv, D] like q"
-    assert d % 2 == 0 and q.stride(2) == 1 and k.stride(2) == 1, "head_dim even and contiguous"
-    cos2, sin2 = cos.reshape(t, d), sin.reshape(t, d)
+    assert r % 2 == 0 and r <= d and q.stride(2) == 1 and k.stride(2) == 1, "R even, R <= D, head_dim contiguous"
+    cos2, sin2 = cos.reshape(t, r), sin.reshape(t, r)
     assert cos2.dtype == sin2.dtype == q.dtype and cos2.is_contiguous() and sin2.is_contiguous(), \
-        "cos/sin [T, 1, D] contiguous, in q's dtype"
+        "cos/sin [T, 1, R] contiguous, in q's dtype"
     if t == 0:
         return
     _rope_kernel[(t, hq + k.shape[1])](
         q, k, cos2, sin2, hq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), EXACT_BF16=exact_bf16_cast(q.dtype),
+        HALF=r // 2, BLOCK=triton.next_power_of_2(r // 2), EXACT_BF16=exact_bf16_cast(q.dtype),
     )
 

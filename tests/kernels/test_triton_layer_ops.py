@@ -44,10 +44,11 @@ def test_contiguous_rows_take_the_kernels_and_the_rest_the_fallback():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-def test_rope_rotates_q_and_k_in_place_as_apply_rope_does(dtype):
+@pytest.mark.parametrize("partial", [1.0, 0.75])  # 0.75: the first 12 of 16 dims rotate, 4 pass through
+def test_rope_rotates_q_and_k_in_place_as_apply_rope_does(dtype, partial):
     """Paged [T, H, D] rows (q with a token stride, as a view of a wider projection) bit for bit against the
     model's apply_rope on its rotary embedding's cos/sin; a dense [B, L, H, D] batch takes the fallback."""
-    cfg = ModelConfig.from_hf(tiny_hf_config(vocab_size=256))
+    cfg = ModelConfig.from_hf(tiny_hf_config(vocab_size=256, partial_rotary_factor=partial))
     rotary = RotaryEmbedding(cfg).to(DEVICE)
     gen = torch.Generator().manual_seed(1)
     t, hq, hkv, d = 7, 4, 2, cfg.head_dim
