@@ -113,8 +113,13 @@ def need(hf: dict, key: str, where: str):
 
 
 def rope_parameters(hf: dict) -> dict:
-    """The RoPE dict in either form (5.x `rope_parameters`, 4.x `rope_scaling`), copied; {} when absent."""
-    return dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    """The RoPE dict, copied ({} when absent): 5.x `rope_parameters`, updated by a 4.x `rope_scaling` beside it (a
+    user adding Qwen's YaRN setting to a config transformers 5 saved). transformers lets rope_scaling win too, but
+    drops the rope_parameters it replaces, theta included; here a key rope_scaling does not set keeps its value."""
+    scaling = dict(hf.get("rope_scaling") or {})
+    if "type" in scaling:  # the 4.x spelling of rope_type
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    return {**(hf.get("rope_parameters") or {}), **scaling}
 
 
 def parse_rope(rope: dict, hf: dict, where: str, default_theta: float = 10000.0) -> tuple[float, Optional[dict]]:

@@ -67,6 +67,17 @@ def test_old_style_rope_keys_parse_like_new_ones():
     torch.testing.assert_close(rope_inv_freq(a), rope_inv_freq(b), atol=0, rtol=0)
 
 
+def test_rope_scaling_added_beside_new_style_rope_parameters_applies_on_their_theta():
+    """A config transformers 5 saved (rope_parameters: default, theta 1e5) with Qwen's YaRN setting added as
+    rope_scaling in the 4.x spelling: the scaling applies (as in transformers), on the saved theta."""
+    hf = tiny_hf_config("qwen3", rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+                        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    hf.pop("rope_theta")
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.rope_theta == 100000.0
+    assert cfg.rope_scaling == {"factor": 4.0, "original_max_position_embeddings": 64, "rope_type": "yarn"}
+
+
 def test_positions_argument_equals_implicit_positions():
     _, ours = _pair(CASES["llama"])
     ids = torch.randint(0, 128, (1, 12))
