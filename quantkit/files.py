@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -47,14 +48,19 @@ def safetensors_files(folder: Path) -> list[str]:
                         "(only safetensors weights load)")
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's model.safetensors, or of the shards its index names."""
-    from safetensors.torch import load_file
+def read_safetensors(folder: Path, names: Optional[Callable[[str], Optional[str]]] = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's model.safetensors, or of the shards its index names, under `names(stored name)`
+    (None: as stored); one it names None is not read (a multimodal checkpoint's vision tower: models/multimodal.py)."""
+    from safetensors import safe_open
 
     state: dict[str, torch.Tensor] = {}
     for shard in safetensors_files(folder):
         try:
-            state.update(load_file(str(folder / shard)))
+            with safe_open(str(folder / shard), framework="pt") as f:
+                for stored in f.keys():
+                    name = names(stored) if names else stored
+                    if name is not None:
+                        state[name] = f.get_tensor(stored)
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
             raise QuantkitError(f"{folder / shard}: cannot read safetensors file ({e})") from None
     return state

@@ -33,8 +33,7 @@ def build_engine(model=None, **engine_kwargs) -> LLMEngine:
     With tensor_parallel_size N > 1 this process becomes rank 0 and starts N - 1 workers (serve/tp_group.py), each
     loading its shard of `model` (a path or hub id then, not a Loaded).
     """
-    from quantkit.files import read_hf_config
-    from quantkit.models.loader import Loaded, load_model, resolve
+    from quantkit.models.loader import Loaded, load_model, read_config, resolve
 
     unknown = set(engine_kwargs) - ENGINE_FIELDS
     if unknown:
@@ -48,7 +47,7 @@ def build_engine(model=None, **engine_kwargs) -> LLMEngine:
         loaded = model
     else:
         folder, _ = resolve(model)
-        hf = read_hf_config(folder)
+        hf = read_config(folder)
         dtype = cfg.resolved_dtype(hf.get("torch_dtype") or hf.get("dtype"))
         if cfg.tensor_parallel_size > 1:
             from quantkit.serve.tp_group import start_rank0

@@ -105,7 +105,8 @@ def register(app: typer.Typer) -> None:
         from quantkit.formats.checkpoint import save_checkpoint
         from quantkit.formats.compatibility import written_note
         from quantkit.files import read_hf_config
-        from quantkit.models.loader import load_model, resolve
+        from quantkit.models.loader import load_model, read_config, resolve
+        from quantkit.models.multimodal import is_multimodal
         from quantkit.quant.bounded import host_budget, load_streamed, streamed_tensors
         from quantkit.quant.calibrate import calibrate, make_method
         from quantkit.quant.moe_calibration import moe_summary, resolve_min_tokens, summary_line
@@ -119,7 +120,7 @@ def register(app: typer.Typer) -> None:
                      moe_min_tokens=moe_min_tokens, awq_rounding=awq_rounding)
         source = flags["model"] or (rec.calib.get("model") if rec else None)
         folder, name = resolve(source)
-        hf_config = read_hf_config(folder)
+        hf_config = read_config(folder)
         if hf_config.get("quantization_config"):
             raise QuantkitError(f"{folder} is already quantized: calibrate its float original")
         widths = linear_widths(hf_config)
@@ -188,6 +189,9 @@ def register(app: typer.Typer) -> None:
         summary += f", mean loss {sum(losses) / len(losses):.4g}" if losses else ""
         console.print(summary + f", {meta['time_s']} s)")
         console.print(written_note(out), markup=False)
+        if is_multimodal(read_hf_config(folder)):
+            console.print(f"{name} is Gemma 3 multimodal: its vision tower and projector were left out, {out} is "
+                          f"text-only (Gemma3ForCausalLM)", markup=False)
         if mix is not None:
             console.print(mix.summary(), markup=False)
         if moe:

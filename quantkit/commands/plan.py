@@ -40,11 +40,10 @@ def register(app: typer.Typer) -> None:
         from quantkit.atomic import write_json
         from quantkit.benchmark.plan import format_plan, gpu_from_args, make_plan, quant_of_folder
         from quantkit.models.llama import ModelConfig
-        from quantkit.files import read_hf_config
-        from quantkit.models.loader import load_tokenizer, resolve
+        from quantkit.models.loader import load_tokenizer, read_config, resolve
 
         folder, name = resolve(model)
-        hf = read_hf_config(folder)
+        hf = read_config(folder)
         folder_quant, folder_group = quant_of_folder(hf)
         lengths = None
         if workload is not None:

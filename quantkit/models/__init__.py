@@ -1,7 +1,7 @@
 """Model definitions: shared layers (layers.py, attention.py, moe.py), the blocks and the decoder every family builds
 (blocks.py, model.py), one short file per family saying what differs, model_type -> Family (family.py), the
 quantization facts per family (registry.py), checkpoint names (keys.py), ModelConfig (config.py), the loader
-(loader.py).
+(loader.py), and Gemma 3 multimodal checkpoints read as their text decoder (multimodal.py).
 
 The family files are imported here (below), so each registers its Family before any model is built.
 """

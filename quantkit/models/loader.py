@@ -8,8 +8,9 @@ Sources, in the order they are recognised:
                             folder: gguf_file.py)
   OWNER/NAME                a Hub id resolved from the local Hugging Face cache (offline)
 `resolve` refuses a config.json that quantkit cannot run (unknown model_type, GPT-2, OPT, an unsupported feature of a
-known family) before any weight loads; checkpoint tensors are mapped to the model's names by the family's `split`
-(fused Phi-3 q/k/v and gate/up, transformers 5's 3-d MoE experts: quantkit/models/keys.py).
+known family) before any weight loads; a Gemma 3 multimodal folder is read as its text decoder, config and tensors
+(`read_config`, quantkit/models/multimodal.py); checkpoint tensors are mapped to the model's names by the family's
+`split` (fused Phi-3 q/k/v and gate/up, transformers 5's 3-d MoE experts: quantkit/models/keys.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from quantkit.files import cache_root, read_hf_config, read_safetensors
 from quantkit.models.config import ModelConfig
 from quantkit.models.gguf_file import gguf_to_hf_folder
 from quantkit.models.model import CausalLM
+from quantkit.models.multimodal import tensor_names, text_config
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_SOURCE = f"bundled:{BUNDLED_NAME}"
@@ -66,10 +68,22 @@ def resolve(source: Optional[str]) -> tuple[Path, str]:
     """source -> (local folder, display name) of a model quantkit can run (its config.json checked)."""
     folder, name = locate(source)
     try:
-        ModelConfig.from_hf(read_hf_config(folder))
+        ModelConfig.from_hf(read_config(folder))
     except QuantkitError as e:
         raise QuantkitError(f"{folder}: {e}") from None
     return folder, name
+
+
+def read_config(folder: Path) -> dict:
+    """The config.json dict of the model quantkit builds from `folder`: a multimodal checkpoint's text decoder's
+    (quantkit/models/multimodal.py), else the file's own."""
+    return text_config(read_hf_config(folder))
+
+
+def tensor_names_of(folder: Path) -> Optional[Callable[[str], Optional[str]]]:
+    """How the model names the tensors of `folder`'s safetensors (files.read_safetensors' `names`): a multimodal
+    checkpoint's decoder renamed, its vision tower and projector not read; None: as stored."""
+    return tensor_names(read_hf_config(folder))
 
 
 def locate(source: Optional[str]) -> tuple[Path, str]:
@@ -112,7 +126,7 @@ def load_tokenizer(source: Optional[str] = None):
 
 def load_model(source: Optional[str] = None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Loaded:
     folder, name = resolve(source)
-    hf_config = read_hf_config(folder)
+    hf_config = read_config(folder)
     method = (hf_config.get("quantization_config") or {}).get("quant_method")
     if method in _QUANTIZED_METHODS:
         model, meta = _build_quantized(folder, hf_config, dtype)
@@ -130,7 +144,7 @@ def load_model(source: Optional[str] = None, dtype: torch.dtype = torch.float32,
 def _build_float(folder: Path, hf_config: dict, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(ModelConfig.from_hf(hf_config))
-    load_state(model, read_safetensors(folder), folder, dtype)
+    load_state(model, read_safetensors(folder, tensor_names_of(folder)), folder, dtype)
     return model
 
 

@@ -54,14 +54,17 @@ def host_budget(flag: Optional[str], folder: Path, log: Callable[[str], None]) -
 
 
 def _float32_bytes(folder: Path) -> int:
+    """The model's tensors in float32 (a multimodal checkpoint's vision tower and projector not counted: not read)."""
     from safetensors import safe_open
 
     from quantkit.files import safetensors_files
+    from quantkit.models.loader import tensor_names_of
 
-    total = 0
+    names, total = tensor_names_of(folder), 0
     for shard in safetensors_files(folder):
         with safe_open(str(folder / shard), framework="pt") as f:
-            total += sum(4 * torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
+            total += sum(4 * torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys()
+                         if names is None or names(k) is not None)
     return total
 
 
@@ -69,16 +72,15 @@ def load_streamed(source: Optional[str]):
     """-> (models.loader.Loaded with the model on the meta device, its LazyWeights), for calibrate(weights=...)."""
     from transformers import AutoTokenizer
 
-    from quantkit.files import read_hf_config
     from quantkit.models.config import ModelConfig
-    from quantkit.models.loader import Loaded, resolve
+    from quantkit.models.loader import Loaded, read_config, resolve, tensor_names_of
     from quantkit.models.model import CausalLM
 
     folder, name = resolve(source)
-    hf_config = read_hf_config(folder)
+    hf_config = read_config(folder)
     with torch.device("meta"):
         model = CausalLM(ModelConfig.from_hf(hf_config)).eval()
-    weights = LazyWeights(folder, model)
+    weights = LazyWeights(folder, model, names=tensor_names_of(folder))
     return Loaded(model=model, tokenizer=AutoTokenizer.from_pretrained(folder), hf_config=hf_config, source=name,
                   path=folder), weights
 

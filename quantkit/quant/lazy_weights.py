@@ -9,7 +9,9 @@ themselves), cast to the load dtype. A block holds the same numbers whether the 
 block, so it calibrates to the same codes.
 
 Tensors are read in units: a decoder block ("model.layers.<i>."), or the module of a tensor outside the blocks
-("model.embed_tokens.", "model.norm.", "lm_head.").
+("model.embed_tokens.", "model.norm.", "lm_head."). Units, and every name below, are the model's: a checkpoint that
+stores the decoder under other names (a Gemma 3 multimodal one, models/multimodal.py) is renamed by `names`, and the
+tensors it names None (the vision tower and projector) are never read.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ctypes
 import math
 import re
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -57,9 +59,11 @@ def _ignored(name: str) -> bool:
 
 class LazyWeights:
     """The weights of `model` (a CausalLM built on the meta device) in `folder`'s safetensors, read on demand in
-    pieces of rows cast into place (neither a whole file nor a tensor's on-disk copy is ever in memory)."""
+    pieces of rows cast into place (neither a whole file nor a tensor's on-disk copy is ever in memory). `names`:
+    stored tensor name -> the model's, None for one not read (default: as stored)."""
 
-    def __init__(self, folder: Path, model, dtype: torch.dtype = torch.float32):
+    def __init__(self, folder: Path, model, dtype: torch.dtype = torch.float32,
+                 names: Optional[Callable[[str], Optional[str]]] = None):
         self.folder, self.model, self.dtype = Path(folder), model, dtype
         self.tied = model.config.tie_word_embeddings
         self.expected: dict[str, list[str]] = {}  # unit -> the model's state-dict names in it, in model order
@@ -68,12 +72,14 @@ class LazyWeights:
             if not (self.tied and name == "lm_head.weight"):
                 self.expected.setdefault(unit_of(name), []).append(name)
                 self.shapes[name] = t.shape
-        self.files: dict[str, tuple[Path, torch.Size]] = {}  # checkpoint tensor name -> (its shard, its shape)
+        self.files: dict[str, tuple[Path, str, torch.Size]] = {}  # tensor name -> (its shard, stored name, shape)
         for shard in safetensors_files(self.folder):
             with self._open(self.folder / shard) as f:
-                for name in f.keys():
-                    self.files[name] = (self.folder / shard, torch.Size(f.get_slice(name).get_shape()))
-        self.units: dict[str, list[str]] = {}  # unit -> its checkpoint tensor names
+                for stored in f.keys():
+                    name = names(stored) if names else stored
+                    if name is not None:
+                        self.files[name] = (self.folder / shard, stored, torch.Size(f.get_slice(stored).get_shape()))
+        self.units: dict[str, list[str]] = {}  # unit -> its tensors' names in `files` (before the family's split)
         for name in self.files:
             if not _ignored(name) and not (self.tied and name == "lm_head.weight"):
                 self.units.setdefault(unit_of(name), []).append(name)
@@ -90,19 +96,19 @@ class LazyWeights:
 
     def _pieces(self, name: str) -> Iterator[torch.Tensor]:
         """Checkpoint tensor `name` in the load dtype, as consecutive blocks of rows (about _PIECE_BYTES each)."""
-        path, shape = self.files[name]
+        path, stored, shape = self.files[name]
         with self._open(path) as f:
             if not shape:
-                yield f.get_tensor(name).to(self.dtype)
+                yield f.get_tensor(stored).to(self.dtype)
                 return
-            sliced = f.get_slice(name)
+            sliced = f.get_slice(stored)
             rows = max(1, _PIECE_BYTES // max(1, self.dtype.itemsize * math.prod(shape[1:])))
             for r0 in range(0, shape[0], rows):
                 yield sliced[r0:r0 + rows].to(self.dtype)
 
     def _read(self, name: str) -> torch.Tensor:
         """Checkpoint tensor `name` in the load dtype, its pieces cast into place."""
-        shape = self.files[name][1]
+        shape = self.files[name][2]
         if not shape:
             return next(self._pieces(name))
         out, r0 = torch.empty(shape, dtype=self.dtype), 0
@@ -151,12 +157,13 @@ class LazyWeights:
             return_freed_memory()
 
     def _on_disk(self, name: str) -> str:
-        """A tensor outside the blocks: stored under the model's own name (splits touch only the blocks)."""
+        """A tensor outside the blocks: in `files` under the model's own name (splits touch only the blocks)."""
         if name not in self.files:
             raise QuantkitError(f"{self.folder}: weights missing for {name!r}")
-        if self.files[name][1] != self.shapes[name]:
-            raise QuantkitError(f"{self.files[name][0]}: tensor {name!r} has shape {list(self.files[name][1])}, the "
-                                f"model's is {list(self.shapes[name])}")
+        path, stored, shape = self.files[name]
+        if shape != self.shapes[name]:
+            raise QuantkitError(f"{path}: tensor {stored!r} has shape {list(shape)}, the model's is "
+                                f"{list(self.shapes[name])}")
         return name
 
     def stored(self, name: str, dtype: torch.dtype) -> Stored:
