@@ -106,7 +106,7 @@ def register(app: typer.Typer) -> None:
         from quantkit.formats.compatibility import written_note
         from quantkit.files import read_hf_config
         from quantkit.models.loader import load_model, read_config, resolve
-        from quantkit.models.multimodal import is_multimodal
+        from quantkit.models.multimodal import is_multimodal, wrapper_class
         from quantkit.quant.bounded import host_budget, load_streamed, streamed_tensors
         from quantkit.quant.calibrate import calibrate, make_method
         from quantkit.quant.moe_calibration import moe_summary, resolve_min_tokens, summary_line
@@ -189,9 +189,10 @@ def register(app: typer.Typer) -> None:
         summary += f", mean loss {sum(losses) / len(losses):.4g}" if losses else ""
         console.print(summary + f", {meta['time_s']} s)")
         console.print(written_note(out), markup=False)
-        if is_multimodal(read_hf_config(folder)):
-            console.print(f"{name} is Gemma 3 multimodal: its vision tower and projector were left out, {out} is "
-                          f"text-only (Gemma3ForCausalLM)", markup=False)
+        if is_multimodal(wrapper := read_hf_config(folder)):
+            console.print(f"{name} is a vision-language checkpoint ({wrapper_class(wrapper)}): its vision tower and "
+                          f"projector were left out, {out} is text-only ({hf_config['architectures'][0]})",
+                          markup=False)
         if mix is not None:
             console.print(mix.summary(), markup=False)
         if moe:

@@ -8,9 +8,10 @@ Sources, in the order they are recognised:
                             folder: gguf_file.py)
   OWNER/NAME                a Hub id resolved from the local Hugging Face cache (offline)
 `resolve` refuses a config.json that quantkit cannot run (unknown model_type, GPT-2, OPT, an unsupported feature of a
-known family) before any weight loads; a Gemma 3 multimodal folder is read as its text decoder, config and tensors
-(`read_config`, quantkit/models/multimodal.py); checkpoint tensors are mapped to the model's names by the family's
-`split` (fused Phi-3 q/k/v and gate/up, transformers 5's 3-d MoE experts: quantkit/models/keys.py).
+known family) before any weight loads; a vision-language folder (Gemma 3, Mistral 3, LLaVA) is read as its text
+decoder, config and tensors (`read_config`, quantkit/models/multimodal.py); checkpoint tensors are mapped to the
+model's names by the family's `split` (fused Phi-3 q/k/v and gate/up, transformers 5's 3-d MoE experts:
+quantkit/models/keys.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from quantkit.files import cache_root, read_hf_config, read_safetensors
 from quantkit.models.config import ModelConfig
 from quantkit.models.gguf_file import gguf_to_hf_folder
 from quantkit.models.model import CausalLM
-from quantkit.models.multimodal import tensor_names, text_config
+from quantkit.models.multimodal import is_multimodal, tensor_names, text_config
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_SOURCE = f"bundled:{BUNDLED_NAME}"
@@ -75,13 +76,18 @@ def resolve(source: Optional[str]) -> tuple[Path, str]:
 
 
 def read_config(folder: Path) -> dict:
-    """The config.json dict of the model quantkit builds from `folder`: a multimodal checkpoint's text decoder's
-    (quantkit/models/multimodal.py), else the file's own."""
-    return text_config(read_hf_config(folder))
+    """The config.json dict of the model quantkit builds from `folder`: a vision-language checkpoint's text
+    decoder's (quantkit/models/multimodal.py: whether it is tied the stored tensor names tell), else the file's own."""
+    hf = read_hf_config(folder)
+    if not is_multimodal(hf):
+        return hf
+    stored: list[str] = []
+    read_safetensors(folder, lambda name: stored.append(name))  # names every tensor None: the headers alone are read
+    return text_config(hf, stored)
 
 
 def tensor_names_of(folder: Path) -> Optional[Callable[[str], Optional[str]]]:
-    """How the model names the tensors of `folder`'s safetensors (files.read_safetensors' `names`): a multimodal
+    """How the model names the tensors of `folder`'s safetensors (files.read_safetensors' `names`): a vision-language
     checkpoint's decoder renamed, its vision tower and projector not read; None: as stored."""
     return tensor_names(read_hf_config(folder))
 

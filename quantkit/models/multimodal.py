@@ -1,56 +1,80 @@
-"""Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration: gemma-3-4b/12b/27b, config.json model_type
-"gemma3") read as their text decoder, quantkit's Gemma 3 text model (gemma3_text): quantkit serves text.
+"""Vision-language checkpoints read as their text decoder, a model quantkit runs: quantkit serves text.
 
-config.json  {"model_type": "gemma3", "text_config": {gemma3_text fields}, "vision_config": {SigLIP}, top level:
-             dtype, token ids, tie_word_embeddings, image token facts}
-             -> the decoder's own config.json (what Gemma3ForCausalLM.save_pretrained writes for it): text_config's
-             fields; where it lacks them, the top level's that the decoder inherits (_INHERITED), then
-             Gemma3TextConfig's defaults (_TEXT_DEFAULTS: the hub's text_configs list only what differs, the 4B's
-             has no head counts, head_dim or vocab_size); tie_word_embeddings is the wrapper's (transformers ties the
-             wrapper's lm_head to the embeddings by its own config, default true).
+WRAPPERS (config.json model_type -> transformers' <X>ForConditionalGeneration):
+  gemma3    Gemma 3 4B/12B/27B: SigLIP tower, gemma3_text decoder
+  mistral3  Mistral Small 3.1 / 3.2 24B: Pixtral tower, mistral decoder
+  llava     LLaVA 1.5 and its fine-tunes: CLIP tower, a llama / mistral / qwen2 / ... decoder
+They share one layout (transformers reads all three through its "llava" checkpoint conversion), so one path reads
+them; where they differ (text model type, its defaults, class names) transformers' config classes tell:
+config.json  {"model_type": <wrapper>, "text_config": {...}, "vision_config": {...}, top level: dtype, token ids, ...}
+             -> the decoder's own config.json (what its ForCausalLM's save_pretrained writes): text_config's fields
+             (none: the wrapper's default text_config, Mistral Small 3.1's for mistral3); where it lacks them, the
+             top level's that describe the whole checkpoint (_INHERITED), then the declared defaults of transformers'
+             config class for text_config's model_type (the wrapper's default text type where it names none): what
+             transformers fills in, as hub text_configs list only what differs (Gemma 3 4B's has no head counts or
+             vocab_size, LLaVA 1.5's little but model_type and vocab_size);
+             architectures: transformers' causal-LM class of that model_type;
+             tie_word_embeddings: whether the checkpoint stores no lm_head. The configs cannot say: transformers 5
+             ties by the wrapper's field (default true for gemma3 and mistral3, and builds such checkpoints without
+             an lm_head) unless both tensors are stored and differ; transformers 4 and vLLM by text_config's; Mistral
+             Small 3.1's config.json names neither and it stores its own lm_head.
 tensors      language_model.model.<x>  (the hub files; transformers 5.25 save_pretrained writes these too) -> model.<x>
              model.language_model.<x>  (transformers' module names since 4.52)                         -> model.<x>
-             language_model.lm_head.<x>                                                                -> lm_head.<x>
+             language_model.lm_head.<x>, lm_head.<x>                                                   -> lm_head.<x>
              [model.]vision_tower.*, [model.]multi_modal_projector.*                                   -> not read
-A text checkpoint's config and names pass through unchanged. (transformers' Gemma3ForConditionalGeneration skips
-text_config's final_logit_softcapping, which Gemma3ForCausalLM, vLLM and quantkit apply; no Gemma 3 release sets it.)
+(transformers' Gemma3ForConditionalGeneration skips text_config's final_logit_softcapping, which Gemma3ForCausalLM,
+vLLM and quantkit apply; no Gemma 3 release sets it.)
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from quantkit.errors import QuantkitError
 
-_MODEL_TYPE = "gemma3"  # Gemma3ForConditionalGeneration's
+WRAPPERS = ("gemma3", "mistral3", "llava")
 _INHERITED = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version")
-_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
-                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
 _DECODER = re.compile(r"^(?:language_model\.model|model\.language_model)\.")
 _LEFT_OUT = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
 
 
 def is_multimodal(hf: dict) -> bool:
-    """A config.json dict of a Gemma 3 multimodal checkpoint."""
-    return hf.get("model_type") == _MODEL_TYPE
+    """A config.json dict of a vision-language checkpoint quantkit reads as its text decoder (WRAPPERS)."""
+    return hf.get("model_type") in WRAPPERS
 
 
-def text_config(hf: dict) -> dict:
-    """config.json dict -> the config.json of its text decoder (module docstring); a text model's, unchanged."""
-    if not is_multimodal(hf):
-        return hf
+def wrapper_class(hf: dict) -> str:
+    """transformers' class of a vision-language config.json dict: "Mistral3ForConditionalGeneration"."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[hf["model_type"]]
+
+
+def text_config(hf: dict, stored: Iterable[str]) -> dict:
+    """A vision-language config.json dict and the checkpoint's stored tensor names -> the config.json of its text
+    decoder (module docstring)."""
+    from transformers import CONFIG_MAPPING, PreTrainedConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     if hf.get("quantization_config"):
-        raise QuantkitError("config.json quantization_config: a quantized Gemma 3 multimodal checkpoint is not "
+        raise QuantkitError(f"config.json quantization_config: a quantized {wrapper_class(hf)} checkpoint is not "
                             "supported: calibrate its float original")
+    spec = CONFIG_MAPPING[hf["model_type"]].sub_configs_defaults["text_config"]
+    given = spec.init_kwargs if hf.get("text_config") is None else hf["text_config"]  # as transformers builds it
+    model_type = given.get("model_type") or spec.model_type
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise QuantkitError(f"config.json text_config.model_type {model_type!r}: not a text decoder transformers knows")
+    base = PreTrainedConfig.default_config_fields()  # return_dict, ...: no field of the text model's
+    defaults = {k: v for k, v in CONFIG_MAPPING[model_type].default_config_fields().items() if k not in base}
     inherited = {k: hf[k] for k in _INHERITED if hf.get(k) is not None}
-    return {**_TEXT_DEFAULTS, **inherited, **(hf.get("text_config") or {}),
-            "tie_word_embeddings": hf.get("tie_word_embeddings", True), "architectures": ["Gemma3ForCausalLM"]}
+    return {**defaults, **inherited, **given, "model_type": model_type,
+            "tie_word_embeddings": "lm_head.weight" not in {text_name(name) for name in stored},
+            "architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]}
 
 
 def text_name(name: str) -> Optional[str]:
-    """A multimodal checkpoint's tensor name -> the text model's, None for the vision tower and projector."""
+    """A vision-language checkpoint's tensor name -> the text model's, None for the vision tower and projector."""
     if _LEFT_OUT.match(name):
         return None
     return _DECODER.sub("model.", name).removeprefix("language_model.")

@@ -8,26 +8,22 @@ Gemma3ForConditionalGeneration applies none (Gemma3ForCausalLM does; no Gemma 3 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoConfig, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig
 from transformers import PreTrainedTokenizerFast
-from typer.testing import CliRunner
 
-from quantkit.cli import _typer_app
-from quantkit.config import CalibConfig
 from quantkit.files import read_safetensors
 from quantkit.formats.checkpoint import base_dtype
 from quantkit.models.config import ModelConfig
 from quantkit.models.loader import load_model, tensor_names_of
 from quantkit.models.multimodal import text_config
-from quantkit.quant.calibrate import calibrate
 from tests.quantkit.families import BASE, FAMILIES
+from tests.quantkit.test_vision_language import HUB_NAMES, calibrated_text_only, module_names
 from tests.serve.test_families_serving import GREEDY, PROMPTS, dense_greedy, served, tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
@@ -35,8 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 TEXT = {k: v for k, v in {**BASE, **FAMILIES["gemma3"][1]}.items() if k != "final_logit_softcapping"}
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
               patch_size=8)  # 4 x 4 patches pooled to mm_tokens_per_image 2 x 2
-HUB_NAMES = ("language_model.model.", "vision_tower.", "multi_modal_projector.")  # transformers 4.x / the hub
-MODULE_NAMES = ("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")  # transformers' modules
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +76,7 @@ def test_transformers_module_names_load_the_same(saved, tmp_path):
     """model.language_model.* / model.vision_tower.* / model.multi_modal_projector.*: the other layout in use."""
     hf, folder = saved
     shutil.copytree(folder, tmp_path / "m")
-    stored = load_file(folder / "model.safetensors")
-    renamed = {}
-    for name, t in stored.items():
-        hub = next(p for p in HUB_NAMES if name.startswith(p))
-        renamed[MODULE_NAMES[HUB_NAMES.index(hub)] + name[len(hub):]] = t
-    save_file(renamed, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    module_names(tmp_path / "m")
     assert_logits_match(load_model(str(tmp_path / "m")).model, hf)
 
 
@@ -104,7 +93,7 @@ GEMMA3_4B = {  # google/gemma-3-4b-it's config.json (transformers 4.50's form), 
 
 def test_a_hub_text_config_takes_transformers_defaults_and_the_wrappers_fields():
     """The hub's text_config lists only what differs from Gemma3TextConfig (no head counts, head_dim, vocab_size)."""
-    text = text_config(GEMMA3_4B)
+    text = text_config(GEMMA3_4B, ())  # no lm_head stored: tied to the embeddings
     ours, theirs = ModelConfig.from_hf(text), Gemma3Config(**GEMMA3_4B).text_config
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "max_position_embeddings", "query_pre_attn_scalar",
@@ -118,41 +107,15 @@ def test_a_hub_text_config_takes_transformers_defaults_and_the_wrappers_fields()
     assert text["architectures"] == ["Gemma3ForCausalLM"] and "vision_config" not in text
 
 
-def run_calibrate(*args: str) -> str:
-    result = CliRunner().invoke(_typer_app, ["calibrate", *args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result.output
-
-
-@torch.no_grad()
 def test_rtn_calibration_writes_a_text_only_checkpoint(saved, tmp_path):
     _, folder = saved
-    out, bounded = tmp_path / "w4", tmp_path / "w4-bounded"
-    common = [str(folder), "--method", "rtn", "--bits", "4", "--group-size", "32"]
-    printed = run_calibrate(*common, "--out", str(out))
-    assert (f"{folder} is Gemma 3 multimodal: its vision tower and projector were left out, {out} is text-only "
-            f"(Gemma3ForCausalLM)") in " ".join(printed.split())
-    run_calibrate(*common, "--out", str(bounded), "--max-host-memory", "1KB")  # one block at a time
-    for name in ("model.safetensors", "config.json"):
-        assert (out / name).read_bytes() == (bounded / name).read_bytes(), name
-
-    config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "gemma3_text" and config["architectures"] == ["Gemma3ForCausalLM"]
-    assert not {"text_config", "vision_config"} & config.keys()
-    assert not any(name.startswith(("vision_tower", "multi_modal_projector", "language_model"))
-                   for name in load_file(out / "model.safetensors"))
+    out = calibrated_text_only(folder, tmp_path, "Gemma3ForConditionalGeneration", "Gemma3ForCausalLM")
     text = AutoConfig.from_pretrained(out)
     assert type(text) is Gemma3TextConfig
     for field in ("hidden_size", "num_hidden_layers", "head_dim", "sliding_window"):
         assert getattr(text, field) == TEXT[field], field
     assert text.tie_word_embeddings
     assert text.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] * 2
-
-    loaded = load_model(str(folder))  # quantized in memory as the CLI did (RTN: the same codes)
-    calibrate(loaded.model, loaded.hf_config, None, CalibConfig.from_flat({"method": "rtn", "group_size": 32}),
-              progress=False)
-    x = ids(20)
-    torch.testing.assert_close(load_model(str(out)).model(x), loaded.model(x), atol=1e-4, rtol=0)
 
 
 def test_served_greedy_equals_the_dense_path(saved):

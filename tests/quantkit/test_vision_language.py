@@ -1,0 +1,210 @@
+"""Mistral 3 (Mistral3ForConditionalGeneration) and LLaVA (LlavaForConditionalGeneration) checkpoints read as their
+text decoder (quantkit/models/multimodal.py), against transformers' own vision-language model on text input_ids:
+loading, calibration to a text-only checkpoint (whole and in bounded memory), and serving. Gemma 3, the third
+wrapper, is tests/quantkit/test_gemma3_multimodal.py (with this file's module_names and calibrated_text_only).
+
+VARIANTS, families.py's mistral and llama text configs under tiny vision towers:
+  mistral3      transformers 5's Mistral3Config: the wrapper ties lm_head to the embeddings, none is stored
+  mistral3-hub  Mistral Small 3.1's form: its own lm_head stored, config.json naming no tie_word_embeddings
+  llava         a llama decoder with its own lm_head, stored under transformers' module names (model.language_model.*)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config
+from transformers import Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
+from typer.testing import CliRunner
+
+from quantkit.cli import _typer_app
+from quantkit.config import CalibConfig
+from quantkit.errors import QuantkitError
+from quantkit.files import read_safetensors
+from quantkit.models.config import ModelConfig
+from quantkit.models.loader import load_model, tensor_names_of
+from quantkit.models.multimodal import text_config
+from quantkit.quant.calibrate import calibrate
+from tests.quantkit.families import BASE, FAMILIES
+from tests.serve.test_families_serving import GREEDY, PROMPTS, dense_greedy, served, tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
+
+MISTRAL = {**BASE, **FAMILIES["mistral"][1], "model_type": "mistral"}  # sliding window 16
+LLAMA = {**BASE, **FAMILIES["llama"][1], "model_type": "llama"}
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+             patch_size=8)
+PIXTRAL, CLIP = {**TOWER, "head_dim": 16}, {**TOWER, "projection_dim": 32}
+HUB_NAMES = ("language_model.model.", "language_model.lm_head.", "vision_tower.", "multi_modal_projector.")
+MODULE_NAMES = ("model.language_model.", "lm_head.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def hub_form(folder: Path) -> None:
+    """config.json as Mistral Small 3.1's: neither the wrapper nor text_config names tie_word_embeddings."""
+    config = json.loads((folder / "config.json").read_text())
+    del config["tie_word_embeddings"], config["text_config"]["tie_word_embeddings"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def module_names(folder: Path) -> None:
+    """The tensors under transformers' module names (MODULE_NAMES) rather than the hub's (HUB_NAMES)."""
+    stored = load_file(folder / "model.safetensors")
+    renamed = {}
+    for name, t in stored.items():
+        hub = next(p for p in HUB_NAMES if name.startswith(p))
+        renamed[MODULE_NAMES[HUB_NAMES.index(hub)] + name[len(hub):]] = t
+    save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+VARIANTS = {  # name -> (transformers' model, an edit of its save_pretrained folder, the text model's class)
+    "mistral3": (lambda: Mistral3ForConditionalGeneration(Mistral3Config(text_config=MISTRAL, vision_config=PIXTRAL)),
+                 None, "MistralForCausalLM"),
+    "mistral3-hub": (lambda: Mistral3ForConditionalGeneration(
+        Mistral3Config(text_config=MISTRAL, vision_config=PIXTRAL, tie_word_embeddings=False)), hub_form,
+        "MistralForCausalLM"),
+    "llava": (lambda: LlavaForConditionalGeneration(LlavaConfig(text_config=LLAMA, vision_config=CLIP)), module_names,
+              "LlamaForCausalLM"),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def saved(request, tmp_path_factory, bundled_dir):
+    """(variant name, transformers' random-weight model, its folder with the bundled tokenizer)."""
+    build, edit, _ = VARIANTS[request.param]
+    torch.manual_seed(0)
+    hf = build().eval()
+    with torch.no_grad():  # random norms around 1: a missing norm cannot hide
+        for name, p in hf.model.language_model.named_parameters():
+            if "norm" in name:
+                p.normal_(mean=1.0, std=0.1)
+    folder = tmp_path_factory.mktemp(request.param) / "model"
+    hf.save_pretrained(folder)
+    if edit is not None:
+        edit(folder)
+    PreTrainedTokenizerFast.from_pretrained(bundled_dir).save_pretrained(folder)
+    return request.param, hf, folder
+
+
+def tied(hf) -> bool:
+    return hf.lm_head.weight is hf.model.language_model.embed_tokens.weight
+
+
+def ids(length: int) -> torch.Tensor:
+    return torch.randint(0, BASE["vocab_size"], (2, length), generator=torch.Generator().manual_seed(length))
+
+
+@torch.no_grad()
+def test_loads_as_the_text_decoder_with_transformers_logits(saved):
+    name, hf, folder = saved
+    loaded = load_model(str(folder))
+    assert loaded.hf_config["model_type"] == hf.config.text_config.model_type
+    assert loaded.hf_config["architectures"] == [VARIANTS[name][2]]
+    assert loaded.model.config.tie_word_embeddings == tied(hf)
+    read = read_safetensors(folder, tensor_names_of(folder))  # the vision tower and projector are never read
+    assert set(read) == {n for n in loaded.model.state_dict() if not (tied(hf) and n == "lm_head.weight")}
+    for length in (8, 48):  # inside and past the sliding window
+        x = ids(length)
+        torch.testing.assert_close(loaded.model(x), hf(input_ids=x).logits, atol=1e-4, rtol=0, msg=f"{length}")
+
+
+MISTRAL_SMALL_31 = {  # mistralai/Mistral-Small-3.1-24B-Instruct-2503's config.json, its vision_config cut to the type
+    "architectures": ["Mistral3ForConditionalGeneration"], "image_token_index": 10, "model_type": "mistral3",
+    "multimodal_projector_bias": False, "projector_hidden_act": "gelu", "spatial_merge_size": 2,
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "vision_feature_layer": -1,
+    "text_config": {"attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+                    "initializer_range": 0.02, "intermediate_size": 32768, "max_position_embeddings": 131072,
+                    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 40,
+                    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0,
+                    "sliding_window": None, "use_cache": True, "vocab_size": 131072},
+    "vision_config": {"model_type": "pixtral"},
+}
+LLAVA_15 = {  # llava-hf/llava-1.5-7b-hf's config.json: text_config names little but the model_type and sizes
+    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+    "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu", "tie_word_embeddings": False,
+    "torch_dtype": "float16", "transformers_version": "4.36.0.dev0", "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default", "vocab_size": 32064,
+    "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                    "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                    "torch_dtype": "float16", "vocab_size": 32064},
+    "vision_config": {"model_type": "clip_vision_model"},
+}
+
+
+NO_TEXT_CONFIG = {"model_type": "mistral3"}  # transformers' default text_config: Mistral Small 3.1's
+
+
+@pytest.mark.parametrize("hub, wrapper, architecture", [(MISTRAL_SMALL_31, Mistral3Config, "MistralForCausalLM"),
+                                                        (NO_TEXT_CONFIG, Mistral3Config, "MistralForCausalLM"),
+                                                        (LLAVA_15, LlavaConfig, "LlamaForCausalLM")],
+                         ids=["mistral-small-3.1", "no-text_config", "llava-1.5"])
+def test_a_hub_text_config_takes_transformers_defaults_and_the_wrappers_fields(hub, wrapper, architecture):
+    """Both store their own lm_head (language_model.lm_head.weight): untied whatever the configs' defaults."""
+    text = text_config(hub, ["language_model.model.embed_tokens.weight", "language_model.lm_head.weight"])
+    ours, theirs = ModelConfig.from_hf(text), wrapper(**hub).text_config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.sliding_window == getattr(theirs, "sliding_window", None)
+    assert ours.rope() == (theirs.rope_parameters["rope_theta"], None)
+    assert not ours.tie_word_embeddings and text["architectures"] == [architecture]
+    assert (text["bos_token_id"], text["eos_token_id"]) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert text.get("torch_dtype") == hub.get("torch_dtype") and "vision_config" not in text
+
+
+def test_a_text_decoder_transformers_does_not_know_is_refused():
+    with pytest.raises(QuantkitError, match=r"config.json text_config.model_type 'vicuna'"):
+        text_config({**LLAVA_15, "text_config": {"model_type": "vicuna"}}, ())
+
+
+def run_calibrate(*args: str) -> str:
+    result = CliRunner().invoke(_typer_app, ["calibrate", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@torch.no_grad()
+def calibrated_text_only(folder: Path, out_root: Path, wrapper: str, text: str) -> Path:
+    """`quantkit calibrate` RTN W4 g32 of the vision-language `folder` (transformers class `wrapper`), whole and in
+    bounded memory: the same bytes, a line naming what was left out, a `text` checkpoint without a vision tensor or
+    sub-config, on which quantkit's logits equal the float model's RTN-quantized in memory. -> its folder."""
+    out, bounded = out_root / "w4", out_root / "w4-bounded"
+    common = [str(folder), "--method", "rtn", "--bits", "4", "--group-size", "32"]
+    printed = run_calibrate(*common, "--out", str(out))
+    assert (f"{folder} is a vision-language checkpoint ({wrapper}): its vision tower and projector were left out, "
+            f"{out} is text-only ({text})") in " ".join(printed.split())
+    run_calibrate(*common, "--out", str(bounded), "--max-host-memory", "1KB")  # one block at a time
+    for file in ("model.safetensors", "config.json"):
+        assert (out / file).read_bytes() == (bounded / file).read_bytes(), file
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [text] and not {"text_config", "vision_config"} & config.keys()
+    assert all(n.startswith(("model.embed_tokens.", "model.layers.", "model.norm.", "lm_head."))
+               for n in load_file(out / "model.safetensors"))  # the text model's names, and only its tensors
+
+    loaded = load_model(str(folder))  # quantized in memory as the CLI did (RTN: the same codes)
+    calibrate(loaded.model, loaded.hf_config, None, CalibConfig.from_flat({"method": "rtn", "group_size": 32}),
+              progress=False)
+    x = ids(20)
+    torch.testing.assert_close(load_model(str(out)).model(x), loaded.model(x), atol=1e-4, rtol=0)
+    return out
+
+
+def test_rtn_calibration_writes_a_text_only_checkpoint(saved, tmp_path):
+    name, hf, folder = saved
+    out = calibrated_text_only(folder, tmp_path, type(hf).__name__, VARIANTS[name][2])
+    assert ("lm_head.weight" in load_file(out / "model.safetensors")) != tied(hf)
+    text = AutoConfig.from_pretrained(out)
+    assert type(text) is type(hf.config.text_config) and text.tie_word_embeddings == tied(hf)
+    for field in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size"):
+        assert getattr(text, field) == getattr(hf.config.text_config, field), field
+
+
+def test_served_greedy_equals_the_dense_path(saved):
+    """quantkit.serve.llm.LLM, fp32 paged attention with chunked prefill, on the folder as loaded."""
+    name, _, folder = saved
+    reference = load_model(str(folder)).model
+    expected = [dense_greedy(f"{name}-vision-language", reference, p) for p in PROMPTS]
+    assert tokens(served(folder).generate(PROMPTS, GREEDY)) == expected
