@@ -8,11 +8,13 @@ sequence lengths) and one call; the forward it replaces spent ~0.3 ms of Python 
 the same inputs and rounding, in the same order: the logits are the eager path's bit for bit (bf16, the only
 dtype plans run in; tests/serve/test_cpu_step_plans.py). Per layer (Llama's pre-norm block):
   [resid += down (layer > 0)]  normed = norm(resid)  qkv = linear(normed) [+ bias]  [q, k = q_norm, k_norm]
-  rope(q, k)  kv_store(k, v)  attn = paged attention(q)  o = linear(attn)  normed = norm(o + resid -> resid)
-  act = silu(gate(normed)) * up(normed)  down = linear(act)
+  [rope(q, k) unless NoPE]  kv_store(k, v)  attn = paged attention(q)  o = linear(attn)
+  normed = norm(o + resid -> resid)  act = silu(gate(normed)) * up(normed)  down = linear(act)
 then resid += down, normed = norm(resid), logits = lm_head(normed). A model or batch size the kernels do not
 cover (unsupported() and Plans.plan say which) runs eagerly, as before; an lm_head without a C kernel (oneDNN's,
-outside batch-invariant serving) runs after the replay, on the final-normed rows.
+outside batch-invariant serving) runs after the replay, on the final-normed rows. Granite's multipliers are scale
+calls (the embeddings after the gather, o and down before their adds), its logits scaling runs after the replay
+(CausalLM.finish_logits, as Gemma's soft-cap).
 """
 
 from __future__ import annotations
@@ -64,14 +66,15 @@ def unsupported(runner) -> Optional[str]:
 
 def _layer_unsupported(layer, attn: TorchPagedAttention, i: int) -> Optional[str]:
     sa = layer.self_attn
-    if type(layer) is not DecoderLayer or type(layer.input_layernorm) is not RMSNorm \
-            or type(layer.post_attention_layernorm) is not RMSNorm:
-        return f"{type(layer).__name__} with {type(layer.input_layernorm).__name__} (a pre-norm block with RMSNorm)"
+    if type(layer) is not DecoderLayer:
+        return f"{type(layer).__name__} (plans record Llama's pre-norm DecoderLayer)"
+    if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
+        return f"{type(layer.input_layernorm).__name__} (a pre-norm block with RMSNorm)"
     if type(sa) not in (Attention, FusedAttention) or (sa.q_norm is not None and type(sa.q_norm) is not RMSNorm):
         return f"{type(sa).__name__}"
     if type(layer.ffn) not in (MLP, FusedMLP):
         return f"{type(layer.ffn).__name__} (a SiLU MLP)"
-    if layer.rotary.long_inv_freq is not None:
+    if layer.rotary is not None and layer.rotary.long_inv_freq is not None:
         return "longrope's frequencies, not settled for one serving length"
     if attn.rows_kernel is None and (attn.decode_kernel is None or not kernel_servable(sa.spec)):
         return "attention the decode kernel does not compute (sliding window or soft-cap)"
@@ -129,11 +132,11 @@ class Plans:
         if n in self.eager_head:
             return model.logits(self._buffer("normed", model.config.hidden_size)[:n])
         raw = self._buffer("logits", self.vocab)[:n]
-        if model.config.final_logit_softcapping is not None or not cpu_logits.available():
-            return model.softcapped(raw)
+        if not model.plain_logits or not cpu_logits.available():
+            return model.finish_logits(raw)
         if self._logits32 is None:
             self._logits32 = torch.empty(self.top, self.vocab)
-        return cpu_logits.to_float(raw, self._logits32[:n])  # softcapped's float(), into a buffer the next step reuses
+        return cpu_logits.to_float(raw, self._logits32[:n])  # finish_logits' float(), in a reused buffer
 
     def _buffer(self, name: str, cols: int) -> torch.Tensor:
         """A bf16 [top, cols] buffer, one per (name, width), shared by every plan."""
@@ -161,6 +164,8 @@ class Plans:
         resid, normed = self._buffer("resid", h)[:n], self._buffer("normed", h)[:n]
         down = None
         plan.copy_rows(model.model.embed_tokens.weight, self.input_ids[:n], resid)
+        if model.config.embedding_multiplier != 1.0:  # CausalLM.embed's product
+            plan.scale_rows(resid, model.config.embedding_multiplier)
         for i, layer in enumerate(model.model.layers):
             if down is not None:
                 plan.add_rows(resid, down)
@@ -169,16 +174,24 @@ class Plans:
             o = self._attention(plan, layer.self_attn, i, layer.rotary, normed)
             if o is None:
                 return False
+            self._residual(plan, layer, o)
             norm = layer.post_attention_layernorm
             plan.add_rms_norm(o, resid, resid, norm.weight, normed, norm.eps)
             down = self._mlp(plan, layer.ffn, normed)
             if down is None:
                 return False
+            self._residual(plan, layer, down)
         plan.add_rows(resid, down)
         plan.add_rms_norm(resid, None, None, model.model.norm.weight, normed, model.model.norm.eps)
         if not self._linear(plan, model.lm_head, normed, self._buffer("logits", self.vocab)[:n]):
             self.eager_head.add(n)  # oneDNN's lm_head (no C entry point): called after the replay
         return True
+
+    @staticmethod
+    def _residual(plan: Plan, layer, y: torch.Tensor) -> None:
+        """y = layer.residual(y) in place: a sublayer's output times the block's residual_multiplier (Granite)."""
+        if layer.residual_multiplier != 1.0:
+            plan.scale_rows(y, layer.residual_multiplier)
 
     def _attention(self, plan: Plan, sa, i: int, rotary, x: torch.Tensor) -> Optional[torch.Tensor]:
         n = x.shape[0]
@@ -200,7 +213,8 @@ class Plans:
                 plan.add_rms_norm(q[t], None, None, sa.q_norm.weight, qn[t], sa.q_norm.eps)
                 plan.add_rms_norm(k[t], None, None, sa.k_norm.weight, kn[t], sa.k_norm.eps)
             q, k = qn, kn
-        plan.rope(q, k, self.positions[:n], self._table(rotary))
+        if rotary is not None:  # None: a NoPE layer, no rope call recorded
+            plan.rope(q, k, self.positions[:n], self._table(rotary))
         k_cache, v_cache = self.runner.attn.kv_caches[i]
         plan.kv_store(k, v, k_cache, v_cache, self.slots[:n])
         if not q.is_contiguous():

@@ -1,6 +1,6 @@
 /* A decode step as one call (kernels/cpu/step_plan.py): a list of kernel calls recorded once per batch size, over
    persistent buffers, replayed by run_plan. Each op is OP_WORDS int64: its kind, the function to call (a kernel of
-   another library of this folder, by address; 0 for the two kernels below) and its arguments in that function's
+   another library of this folder, by address; 0 for the three kernels below) and its arguments in that function's
    order, pointers and integers as int64, a float as its 32 bits. The thread count is the replay's, not the
    recording's: every kernel gets the count torch has when the step runs. */
 #include <stdint.h>
@@ -10,7 +10,7 @@
 
 #define OP_WORDS 20
 enum { OP_ADD_RMS_NORM, OP_ROPE, OP_SILU_MUL, OP_KV_STORE, OP_QGEMV, OP_ROWWISE_GEMM, OP_PAGED_DECODE, OP_PAGED_ROWS,
-       OP_COPY_ROWS, OP_ADD_ROWS, OP_ROWWISE_QGEMM, OP_GEMM_BF16, OP_QGEMM };
+       OP_COPY_ROWS, OP_ADD_ROWS, OP_ROWWISE_QGEMM, OP_GEMM_BF16, OP_QGEMM, OP_SCALE_ROWS };
 
 /* the other libraries' kernels (fused.c, gemv.c, rowwise_gemm.c, gemm.c, paged_decode.c), as declared there */
 typedef void (*add_rms_norm_fn)(const void*, int64_t, const void*, void*, const void*, void*, int, int, float, int,
@@ -45,6 +45,16 @@ void add_rows(uint16_t* y, int64_t ys, const uint16_t* b, int64_t bs, int n, int
     const uint16_t* br = b + t * bs;
     #pragma omp simd
     for (int i = 0; i < h; i++) yr[i] = f32_to_bf16(bf16_to_f32(yr[i]) + bf16_to_f32(br[i]));
+  }
+}
+
+/* y [n, h] bf16 (row stride ys) *= s, each product rounded to bf16 once, as torch rounds a bf16 tensor times a Python
+   float (the float in fp32: Granite's multipliers) */
+void scale_rows(uint16_t* y, int64_t ys, float s, int n, int h) {
+  for (int t = 0; t < n; t++) {
+    uint16_t* yr = y + t * ys;
+    #pragma omp simd
+    for (int i = 0; i < h; i++) yr[i] = f32_to_bf16(bf16_to_f32(yr[i]) * s);
   }
 }
 
@@ -83,6 +93,7 @@ void run_plan(const int64_t* ops, int n, int threads) {
         break;
       case OP_COPY_ROWS: copy_rows(P(0), a[1], P(2), P(3), a[4], I(5), a[6]); break;
       case OP_ADD_ROWS: add_rows(P(0), a[1], P(2), a[3], I(4), I(5)); break;
+      case OP_SCALE_ROWS: scale_rows(P(0), a[1], bits_f32(a[2]), I(3), I(4)); break;
     }
   }
 }

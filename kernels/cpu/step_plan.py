@@ -7,8 +7,8 @@ them and writes the same outputs; the thread count is read at replay. The launch
 dtypes) are the recorder's: each method checks what its kernel assumes, once, when the plan is built.
 Kernels: fused.c (add_rms_norm, rope, silu_mul, kv_store), gemv.c (qgemv), rowwise_gemm.c (rowwise_gemm,
 rowwise_qgemm), gemm.c (gemm_bf16, qgemm: the AMX tile GEMMs, where AMX runs), paged_decode.c (paged_decode,
-paged_rows), and step_plan.c's own copy_rows and add_rows. bf16 activations (the GEMV and the GEMMs are bf16
-kernels); the attention and per-token kernels are recorded in their tensors' dtype.
+paged_rows), and step_plan.c's own copy_rows, add_rows and scale_rows. bf16 activations (the GEMV and the GEMMs are
+bf16 kernels); the attention and per-token kernels are recorded in their tensors' dtype.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from quantkit.kernels.cpu.gemm import _FUSED_MAX_M, _check_quantized, _check_vnn
 
 OP_WORDS = 20  # step_plan.c's OP_WORDS: kind, function, up to 18 arguments
 KINDS = ["add_rms_norm", "rope", "silu_mul", "kv_store", "qgemv", "rowwise_gemm", "paged_decode", "paged_rows",
-         "copy_rows", "add_rows", "rowwise_qgemm", "gemm_bf16", "qgemm"]  # step_plan.c's enum, in order
+         "copy_rows", "add_rows", "rowwise_qgemm", "gemm_bf16", "qgemm", "scale_rows"]  # step_plan.c's enum, in order
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"run_plan": [_P, _INT, _INT], "copy_rows": [_P, _I64, _P, _P, _I64, _INT, _I64],
-              "add_rows": [_P, _I64, _P, _I64, _INT, _INT]}
+              "add_rows": [_P, _I64, _P, _I64, _INT, _INT], "scale_rows": [_P, _I64, ctypes.c_float, _INT, _INT]}
 
 
 def _library():
@@ -242,3 +242,10 @@ class Plan:
                 b.dim() == 2 and b.shape[0] != n) or b.stride(-1) != 1:
             raise ValueError(f"add_rows: y {tuple(y.shape)} {y.dtype} += b {tuple(b.shape)} {b.dtype} (bf16)")
         self._record("add_rows", None, [y.data_ptr(), ys, b.data_ptr(), bs, n, y.shape[-1]], y, b)
+
+    # scale_rows - y [n, H] bf16 (rows at stride) *= s, each product rounded once (torch's bf16 y * float)
+    def scale_rows(self, y: torch.Tensor, s: float) -> None:
+        n, ys = fused._rows(y)
+        if y.dtype is not torch.bfloat16 or y.dim() != 2:
+            raise ValueError(f"scale_rows: y {tuple(y.shape)} {y.dtype} (bf16 rows)")
+        self._record("scale_rows", None, [y.data_ptr(), ys, _bits(s), n, y.shape[-1]], y)

@@ -1,21 +1,25 @@
 """Model definitions: shared layers (layers.py, attention.py, moe.py), the blocks and the decoder every family builds
 (blocks.py, model.py), one short file per family saying what differs, model_type -> Family (family.py), the
 quantization facts per family (registry.py), checkpoint names (keys.py), ModelConfig (config.py), the loader
-(loader.py), and Gemma 3 multimodal checkpoints read as their text decoder (multimodal.py).
+(loader.py), and vision-language checkpoints (Gemma 3, Mistral 3, LLaVA) read as their text decoder (multimodal.py).
 
 The family files are imported here (below), so each registers its Family before any model is built.
 """
 
 from quantkit.models.attention import AttentionSpec, unsupported_by_paged_attention  # noqa: F401
 from quantkit.models.config import ModelConfig  # noqa: F401
+from quantkit.models.gemma import GEMMA  # noqa: F401
 from quantkit.models.gemma2 import GEMMA2  # noqa: F401
 from quantkit.models.gemma3 import GEMMA3  # noqa: F401
+from quantkit.models.granite import GRANITE  # noqa: F401
 from quantkit.models.llama import LLAMA  # noqa: F401
 from quantkit.models.mistral import MISTRAL  # noqa: F401
 from quantkit.models.mixtral import MIXTRAL  # noqa: F401
 from quantkit.models.model import CausalLM  # noqa: F401
+from quantkit.models.olmo2 import OLMO2  # noqa: F401
 from quantkit.models.phi3 import PHI3  # noqa: F401
 from quantkit.models.qwen2 import QWEN2  # noqa: F401
 from quantkit.models.qwen2_moe import QWEN2_MOE  # noqa: F401
 from quantkit.models.qwen3 import QWEN3  # noqa: F401
 from quantkit.models.qwen3_moe import QWEN3_MOE  # noqa: F401
+from quantkit.models.smollm3 import SMOLLM3  # noqa: F401

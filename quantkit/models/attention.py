@@ -28,15 +28,16 @@ class AttentionBackend(Protocol):
 class AttentionSpec:
     """What one layer's attention computes beyond causal softmax(q k^T) v."""
 
-    scale: float  # multiplies q . k: 1 / sqrt(head_dim), Gemma: query_pre_attn_scalar ** -0.5
+    scale: float  # multiplies q . k: 1 / sqrt(head_dim), Gemma: query_pre_attn_scalar ** -0.5, Granite: its multiplier
     sliding_window: Optional[int] = None  # a query at position p sees keys p - window + 1 .. p; None: all up to p
     logit_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before masking (Gemma 2)
 
     @classmethod
     def of(cls, cfg, layer_idx: int) -> "AttentionSpec":
-        scalar = cfg.query_pre_attn_scalar
-        return cls(1.0 / math.sqrt(scalar if scalar is not None else cfg.head_dim), cfg.window(layer_idx),
-                   cfg.attn_logit_softcapping)
+        scalar, scale = cfg.query_pre_attn_scalar, cfg.attention_multiplier
+        if scale is None:
+            scale = 1.0 / math.sqrt(scalar if scalar is not None else cfg.head_dim)
+        return cls(scale, cfg.window(layer_idx), cfg.attn_logit_softcapping)
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -79,8 +80,9 @@ class Attention(nn.Module):
     ops = TorchOps
 
     def __init__(self, cfg, layer_idx: int, linear_cls: Callable[..., nn.Module],
-                 qk_norm: Optional[Callable[[int, float], nn.Module]] = None):
-        """qk_norm: the RMSNorm class applied over head_dim to q and k before RoPE (Qwen3, Gemma 3), or None."""
+                 qk_norm: Optional[Callable[[int, float], nn.Module]] = None, qk_norm_whole: bool = False):
+        """qk_norm: the RMSNorm class applied to q and k before RoPE, over head_dim (Qwen3, Gemma 3) or, qk_norm_whole,
+        over the whole projection, Hq * D and Hkv * D wide (OLMo 2); None: no q/k norm."""
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -92,19 +94,21 @@ class Attention(nn.Module):
         self.o_proj = linear_cls(qd, h, bias=cfg.o_bias)
         self.q_norm = self.k_norm = None
         if qk_norm is not None:
-            self.q_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = qk_norm(qd if qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = qk_norm(kvd if qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, positions, rotary, attn: Optional[AttentionBackend]):
         # x [*lead, H] with lead = (B, L) dense or (T,) paged; positions [*lead] or [L]
         lead = x.shape[:-1]
-        q, k, v = self.project(x)
+        q, k, v = self.project(x)  # [*lead, Hq * D], [*lead, Hkv * D] x 2
+        if self.q_norm is not None:  # over rows of the norm's width: one per head (head_dim), or the whole projection
+            q = self.q_norm(q.unflatten(-1, (-1, self.q_norm.weight.shape[0])))
+            k = self.k_norm(k.unflatten(-1, (-1, self.k_norm.weight.shape[0])))
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rope(q, k, positions, rotary)
+        if rotary is not None:  # None: a NoPE layer (SmolLM3), q and k unrotated
+            q, k = self.ops.rope(q, k, positions, rotary)
         if attn is None:  # dense: [B, L, H, D] -> [B, H, L, D]
             out = dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.spec).transpose(1, 2)
         else:

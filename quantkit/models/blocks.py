@@ -1,4 +1,5 @@
-"""The decoder blocks: Llama's pre-norm block and Gemma's sandwich, each built from a Family's norm, MLP and MoE."""
+"""The decoder blocks: Llama's pre-norm block, Gemma's sandwich and OLMo 2's post-norm block, each built from a
+Family's norm, MLP and MoE."""
 
 from __future__ import annotations
 
@@ -11,22 +12,27 @@ from quantkit.models.attention import Attention, AttentionBackend
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block (Llama): x += attn(norm(x)); x += ffn(norm(x)). The ffn is the family's MLP, or its MoE block
-    in cfg.sparse_layers, under the family's attribute name (`mlp`; Mixtral: `block_sparse_moe`)."""
+    """Pre-norm block (Llama): x += attn(input_layernorm(x)); x += ffn(post_attention_layernorm(x)), each sublayer's
+    output times cfg.residual_multiplier before its add (Granite; 1 elsewhere). The ffn is the family's MLP, or its
+    MoE block in cfg.sparse_layers, under the family's attribute name (`mlp`; Mixtral: `block_sparse_moe`). A
+    subclass changes `norms` (the family norms over hidden it holds, by checkpoint name) and forward."""
+
+    norms = ("input_layernorm", "post_attention_layernorm")
 
     def __init__(self, cfg, layer_idx: int, linear_cls: Callable[..., nn.Module], family):
         super().__init__()
-        norm = family.norm
-        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, linear_cls, norm if family.qk_norm else None)
-        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        for name in self.norms:
+            setattr(self, name, family.norm(cfg.hidden_size, cfg.rms_norm_eps))
+        self.self_attn = Attention(cfg, layer_idx, linear_cls, family.norm if family.qk_norm else None,
+                                   family.qk_norm_whole)
+        self.residual_multiplier = cfg.residual_multiplier
         self.ffn_name = family.ffn_name
         if family.moe is not None and layer_idx in cfg.sparse_layers:
             ffn = family.moe(cfg, linear_cls)
         else:
             ffn = family.mlp(cfg.hidden_size, cfg.intermediate_size, linear_cls, cfg.mlp_bias)
         setattr(self, self.ffn_name, ffn)
-        self.rotary = None  # set by DecoderModel: the layer's shared RotaryEmbedding (not a submodule)
+        self.rotary = None  # set by DecoderModel: the layer's shared RotaryEmbedding (not a submodule), or None (NoPE)
 
     @property
     def ffn(self) -> nn.Module:
@@ -35,19 +41,32 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
         """x [B, L, H] (dense) or [T, H] (paged); positions [L], [B, L] or [T]."""
         h = self.self_attn(self.input_layernorm(x), positions, self.rotary, attn)
-        h, x = self.post_attention_layernorm.add_and_norm(h, x)
-        return x + self.ffn(h)
+        h, x = self.post_attention_layernorm.add_and_norm(self.residual(h), x)
+        return x + self.residual(self.ffn(h))
+
+    def residual(self, h: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream: times residual_multiplier, rounded to h's dtype (HF's
+        Granite product)."""
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
 
 class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2/3: each sublayer's output is normed before the residual add, and the MLP has its own input norm:
     x += post_attention_layernorm(attn(input_layernorm(x))); x += post_ff_norm(mlp(pre_ff_norm(x)))."""
 
-    def __init__(self, cfg, layer_idx: int, linear_cls: Callable[..., nn.Module], family):
-        super().__init__(cfg, layer_idx, linear_cls, family)
-        self.pre_feedforward_layernorm = family.norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_feedforward_layernorm = family.norm(cfg.hidden_size, cfg.rms_norm_eps)
+    norms = DecoderLayer.norms + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, self.rotary, attn))
         return x + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(x)))
+
+
+class PostNormDecoderLayer(DecoderLayer):
+    """OLMo 2: no input norms; each sublayer's output is normed before the residual add:
+    x += post_attention_layernorm(attn(x)); x += post_feedforward_layernorm(ffn(x))."""
+
+    norms = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
+        x = x + self.post_attention_layernorm(self.self_attn(x, positions, self.rotary, attn))
+        return x + self.post_feedforward_layernorm(self.ffn(x))

@@ -31,6 +31,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None  # {"rope_type": one of ROPE_TYPES (layers.py), ...}; None = default
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim dims of each head, the rest pass (Phi-4-mini)
+    nope_layers: tuple[int, ...] = ()  # layers whose attention skips RoPE (SmolLM3's NoPE layers)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     model_type: str = "llama"
@@ -43,6 +44,10 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None  # attention scale = scalar ** -0.5 (Gemma); None: head_dim
     attn_logit_softcapping: Optional[float] = None  # Gemma 2
     final_logit_softcapping: Optional[float] = None  # Gemma 2 (and Gemma 3 where set)
+    attention_multiplier: Optional[float] = None  # the attention scale itself (Granite); None: from the scalar above
+    embedding_multiplier: float = 1.0  # embeddings times it (Granite)
+    residual_multiplier: float = 1.0  # each sublayer's output times it before the residual add (Granite)
+    logits_scaling: float = 1.0  # logits divided by it (Granite)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's (Qwen MoE; Mixtral's experts use intermediate_size)
@@ -90,7 +95,7 @@ class ModelConfig:
             rope_scaling=scaling,
             partial_rotary_factor=partial,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            tie_word_embeddings=hf.get("tie_word_embeddings", family.tied),
             model_type=model_type,
             qkv_bias=attention_bias,
             o_bias=attention_bias,

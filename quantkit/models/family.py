@@ -32,13 +32,15 @@ class Family:
     # (HF config dict, "<name> (<model_type>)" for messages) -> ModelConfig fields beyond the shared ones
     # (config.py); raises QuantkitError for what the family's code does not implement
     parse: Callable[[dict, str], dict] = no_fields
-    decoder: type = DecoderLayer  # the block: pre-norm, or Gemma's SandwichDecoderLayer
-    norm: type = RMSNorm  # every RMSNorm of the model (q/k norms too): Llama's, or Gemma's (1 + w)
+    decoder: type = DecoderLayer  # the block: pre-norm, or Gemma's SandwichDecoderLayer, OLMo 2's PostNormDecoderLayer
+    norm: type = RMSNorm  # every RMSNorm of the model (q/k norms too): Llama's, Gemma's (1 + w), OLMo 2's Fp32RMSNorm
     mlp: type = MLP  # the dense MLP class: SwiGLU MLP or GeGLUMLP
     moe: Optional[Callable[..., nn.Module]] = None  # (cfg, linear_cls) -> the MoE block of cfg.sparse_layers
     ffn_name: str = "mlp"  # the block's attribute holding its MLP / MoE block (Mixtral: "block_sparse_moe")
     qk_norm: bool = False  # q and k RMSNormed over head_dim before RoPE (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # with qk_norm: over the whole q / k projection (Hq * D, Hkv * D) instead (OLMo 2)
     embed_scale: bool = False  # embeddings times sqrt(hidden) rounded to the dtype (Gemma)
+    tied: bool = False  # config.tie_word_embeddings when config.json omits it (transformers' default: Gemma, SmolLM3)
     # checkpoint tensors -> the model's state-dict names (split fused q/k/v, gate/up and 3-d expert tensors;
     # quantkit/models/keys.py); run on the float tensors of every folder the loader reads
     split: Callable[[dict[str, torch.Tensor], object], dict[str, torch.Tensor]] = same_keys

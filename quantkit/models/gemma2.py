@@ -4,18 +4,16 @@ soft-capped (cap * tanh(x / cap)), and every other layer sliding (layers 0, 2, .
 
 from __future__ import annotations
 
-from quantkit.errors import QuantkitError
 from quantkit.models.blocks import SandwichDecoderLayer
 from quantkit.models.config import FULL, SLIDING, windowed
 from quantkit.models.family import Family, register
-from quantkit.models.layers import GeGLUMLP, OffsetRMSNorm
+from quantkit.models.gemma import GEMMA, refuse_bidirectional
 
 
 def gemma_fields(hf: dict, where: str, pattern: int) -> dict:
     """What Gemma 2 and 3 share: layer i slides unless (i + 1) % pattern == 0 (or as config.layer_types says), the
     attention scale's scalar (HF default 256), the final soft-cap; refuses bidirectional attention."""
-    if hf.get("use_bidirectional_attention"):
-        raise QuantkitError(f"{where}: use_bidirectional_attention (an encoder variant) is not supported")
+    refuse_bidirectional(hf, where)
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types") or [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
     return {"query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256)),
@@ -28,5 +26,5 @@ def parse(hf: dict, where: str) -> dict:
             "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0)}
 
 
-GEMMA2 = register(Family("Gemma 2", ("gemma2",), parse=parse, decoder=SandwichDecoderLayer, norm=OffsetRMSNorm,
-                         mlp=GeGLUMLP, embed_scale=True))
+GEMMA2 = register(Family("Gemma 2", ("gemma2",), parse=parse, decoder=SandwichDecoderLayer, norm=GEMMA.norm,
+                         mlp=GEMMA.mlp, embed_scale=True, tied=True))

@@ -26,4 +26,4 @@ def parse(hf: dict, where: str) -> dict:
 
 
 GEMMA3 = register(Family("Gemma 3", ("gemma3_text",), parse=parse, decoder=GEMMA2.decoder, norm=GEMMA2.norm,
-                         mlp=GEMMA2.mlp, qk_norm=True, embed_scale=True))
+                         mlp=GEMMA2.mlp, qk_norm=True, embed_scale=True, tied=True))

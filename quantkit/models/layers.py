@@ -61,20 +61,24 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, residual, self.weight, self.eps)
 
 
-class OffsetRMSNorm(RMSNorm):
-    """y = (1 + w) * norm(x) (Gemma): the checkpoint stores w, and the whole product is computed in fp32 before one
-    rounding to x's dtype (HF's Gemma order, unlike Llama's); plain torch, the fused ops round like Llama."""
-
-    weight_offset = 1.0
+class Fp32RMSNorm(RMSNorm):
+    """y = (weight_offset + w) * norm(x) with the whole product in fp32 before one rounding to x's dtype (HF's OLMo 2
+    and Gemma order, unlike Llama's round-then-scale); plain torch, as the fused ops round like Llama."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return (x32 * (self.weight_offset + self.weight.float())).to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total = residual + x
         return self(total), total
+
+
+class OffsetRMSNorm(Fp32RMSNorm):
+    """y = (1 + w) * norm(x) (Gemma): the checkpoint stores w."""
+
+    weight_offset = 1.0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,8 @@ class DecoderModel(nn.Module):
             self.rotary_emb_local = RotaryEmbedding(cfg, sliding=True)
         for i, layer in enumerate(self.layers):
             local = cfg.rope_local_theta is not None and cfg.window(i) is not None
-            object.__setattr__(layer, "rotary", self.rotary_emb_local if local else self.rotary_emb)  # shared
+            rotary = None if i in cfg.nope_layers else self.rotary_emb_local if local else self.rotary_emb
+            object.__setattr__(layer, "rotary", rotary)  # shared; None: a NoPE layer (SmolLM3), no RoPE at all
 
 
 class CausalLM(nn.Module):
@@ -61,10 +62,13 @@ class CausalLM(nn.Module):
                 module.ops = ops
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [...] -> the first block's input [..., H] (Gemma: times sqrt(H) rounded to the dtype)."""
+        """input_ids [...] -> the first block's input [..., H] (Gemma: times sqrt(H) rounded to the dtype; Granite:
+        times embedding_multiplier, the product rounded to the dtype)."""
         x = self.model.embed_tokens(input_ids)
         if self.family.embed_scale:
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)  # as HF rounds it
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         return x
 
     def hidden(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
@@ -78,13 +82,19 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> float32 logits [..., V] (Gemma 2: soft-capped, cap * tanh(logits / cap))."""
-        return self.softcapped(self.lm_head(hidden))
+        """hidden [..., H] -> float32 logits [..., V] (finish_logits of lm_head's output)."""
+        return self.finish_logits(self.lm_head(hidden))
 
-    def softcapped(self, raw: torch.Tensor) -> torch.Tensor:
-        """lm_head's output [..., V] -> float32 logits (soft-capped where the config says)."""
-        logits = raw.float()
-        cap = self.config.final_logit_softcapping
+    @property
+    def plain_logits(self) -> bool:
+        """Whether finish_logits is a float32 conversion alone."""
+        return self.config.logits_scaling == 1.0 and self.config.final_logit_softcapping is None
+
+    def finish_logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """lm_head's output [..., V] -> float32 logits: divided by logits_scaling in raw's dtype (Granite, rounded as
+        HF rounds it), then soft-capped where the config says (Gemma 2: cap * tanh(logits / cap), in fp32)."""
+        scaling, cap = self.config.logits_scaling, self.config.final_logit_softcapping
+        logits = (raw if scaling == 1.0 else raw / scaling).float()
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,

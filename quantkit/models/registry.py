@@ -84,9 +84,10 @@ _ATTENTION_SEQUENTIAL = (
     ("self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"),
     ("self_attn.o_proj",),
 )
+_V_TO_O = ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj", needs_equal_heads=True)
 _ATTENTION_AWQ = (
     ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
-    ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj", needs_equal_heads=True),
+    _V_TO_O,
 )
 
 
@@ -109,16 +110,18 @@ def _moe_group(moe: str, gate: str, up: str, shared: bool = False) -> ScalingGro
     return ScalingGroup("post_attention_layernorm", linears, moe, source=f"{moe}.gate", unquantized=unquantized)
 
 
-def _spec(*mlps, moe: ScalingGroup | None = None) -> ArchSpec:
-    """Attention, then the MLPs' gate/up stages together and their down stages together."""
+def _spec(*mlps, moe: ScalingGroup | None = None, attention: tuple[ScalingGroup, ...] = _ATTENTION_AWQ) -> ArchSpec:
+    """Attention (its AWQ groups: `attention`), then the MLPs' gate/up stages together and their down stages
+    together."""
     up_gate = tuple(name for mlp in mlps for name in mlp[0])
     down = tuple(name for mlp in mlps for name in mlp[1])
-    groups = _ATTENTION_AWQ + ((moe,) if moe else ()) + tuple(g for mlp in mlps for g in mlp[2])
+    groups = attention + ((moe,) if moe else ()) + tuple(g for mlp in mlps for g in mlp[2])
     return ArchSpec(_ATTENTION_SEQUENTIAL + (up_gate, down), groups, router=moe.source if moe else "")
 
 
 _LLAMA = _spec(_mlp("mlp", "post_attention_layernorm"))
 _GEMMA = _spec(_mlp("mlp", "pre_feedforward_layernorm"))  # Gemma's post_attention_layernorm norms the attention out
+_OLMO2 = _spec(_mlp("mlp"), attention=(_V_TO_O,))  # post-norm: no norm feeds q/k/v or gate/up (v -> o, up -> down)
 _MIXTRAL = _spec(_mlp(f"block_sparse_moe.experts.{EXPERT}", gate="w1", up="w3", down="w2"),
                  moe=_moe_group("block_sparse_moe", "w1", "w3"))
 _QWEN_MLPS = (_mlp("mlp", "post_attention_layernorm"), _mlp(f"mlp.experts.{EXPERT}"))  # dense layers, experts
@@ -127,7 +130,11 @@ _QWEN2_MOE = _spec(*_QWEN_MLPS, _mlp("mlp.shared_expert"), moe=_moe_group("mlp",
 
 REGISTRY: dict[str, ArchSpec] = {
     "llama": _LLAMA,  # Llama 2/3/3.1, SmolLM/SmolLM2, TinyLlama
+    "smollm3": _LLAMA,
+    "gemma": _LLAMA,  # pre-norm: its (1 + w) norms fold like Gemma 2's (quant/awq.py, weight_offset)
     "mistral": _LLAMA,
+    "granite": _LLAMA,  # its multipliers scale sublayer outputs, embeddings and logits, never a Linear's input
+    "olmo2": _OLMO2,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,  # q_norm / k_norm are not Linears
     "phi3": _LLAMA,  # after the load-time split of qkv_proj / gate_up_proj (models/keys.py)

@@ -12,6 +12,7 @@ The Megatron / vLLM split of a decoder (vLLM's linear.py, vocab_parallel_embeddi
   instead; quantkit splits evenly and so needs vocab_size % N == 0)
 - everything else is replicated: the norms (q/k norms too, over head_dim), the MoE router `gate`, Qwen2-MoE's
   `shared_expert_gate`
+A q/k norm over the whole projection (OLMo 2) needs every device's heads for each token's norm: refused.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from quantkit.errors import QuantkitError
+from quantkit.models.family import family_of
 
 COLUMN = frozenset({"q_proj", "gate_proj", "up_proj", "w1", "w3"})  # [N, K] -> [N / tp, K]
 KV = frozenset({"k_proj", "v_proj"})  # [kv_heads * D, K] -> [kv_heads_per_device * D, K]
@@ -62,11 +64,17 @@ def check_tensor_parallel(cfg, tp: int, group_size: Optional[int] = None) -> Non
     num_attention_heads, intermediate_size (and the MoE expert / shared-expert sizes) and vocab_size must divide by
     tp; num_key_value_heads must divide by tp or divide tp. With a quantization `group_size`, each device's slice
     of a row-parallel input (o_proj: heads x head_dim / tp, down_proj: intermediate / tp) must hold whole groups
-    (vLLM's GPTQ/AWQ create_weights: "input size is not aligned with the quantized weight shape")."""
+    (vLLM's GPTQ/AWQ create_weights: "input size is not aligned with the quantized weight shape"). A family whose
+    q/k norms span all heads (OLMo 2) is refused."""
     if tp < 1:
         raise QuantkitError(f"--tensor-parallel-size {tp}: must be at least 1")
     if tp == 1:
         return
+    family = family_of(cfg.model_type)
+    if family.qk_norm_whole:
+        raise QuantkitError(f"--tensor-parallel-size {tp}: {family.name} ({cfg.model_type}) normalises q and k over "
+                            f"all heads at once (q_norm / k_norm num_attention_heads x head_dim wide), which no "
+                            f"device's share of the heads can compute: run it with tensor parallel size 1")
     problems = []
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % tp:

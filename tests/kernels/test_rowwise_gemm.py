@@ -206,12 +206,14 @@ def test_without_onednn_bf16_every_mode_packs_for_the_rowwise_gemm(monkeypatch):
     assert within_bf16(holder[0](x), rowwise_gemm.matmul_ref(x, w, b), x, w)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "olmo2"])
 @pytest.mark.parametrize("tokens", [1, 3, 21, 300])
-def test_fused_rowwise_projections_give_the_unfused_outputs_bit_for_bit(tokens, invariant_kernel):
-    """The tiny llama (biased q/k/v, so the fused bias path runs) packed rowwise, with the fused ops: fusing q/k/v
-    and gate/up(-SiLU) on the row-invariant GEMM leaves the logits' bits unchanged."""
+def test_fused_rowwise_projections_give_the_unfused_outputs_bit_for_bit(tokens, model_type, invariant_kernel):
+    """The tiny llama (biased q/k/v, so the fused bias path runs) and OLMo 2 (q and k normed over the whole
+    projection: strided views of the fused output) packed rowwise, with the fused ops: fusing q/k/v and
+    gate/up(-SiLU) on the row-invariant GEMM leaves the logits' bits unchanged."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig.from_hf(tiny_hf_config("llama", attention_bias=True))).bfloat16().eval()
+    model = LlamaForCausalLM(ModelConfig.from_hf(tiny_hf_config(model_type, attention_bias=True))).bfloat16().eval()
     pack_linears(model, batch_hint=64, rowwise=True)
     model.set_ops(CpuFusedOps.load(TorchOps))
     ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(tokens))

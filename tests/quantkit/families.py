@@ -22,6 +22,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILIES = {
     "llama": ("llama", {}),
+    "smollm3": ("smollm3", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=WINDOW)),  # 3 NoPE, slides
+    "gemma": ("gemma", dict(head_dim=16)),
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # layer 1 slides
     "qwen3": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
@@ -31,6 +33,9 @@ FAMILIES = {
     "gemma3": ("gemma3_text", dict(num_hidden_layers=6, sliding_window_pattern=3, head_dim=16, query_pre_attn_scalar=24,
                                    sliding_window=WINDOW, rope_local_base_freq=100.0, rope_theta=10000.0,
                                    final_logit_softcapping=5.0)),
+    "granite": ("granite", dict(embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.3,
+                                logits_scaling=3.0, tie_word_embeddings=True)),  # each far from 1: none can hide
+    "olmo2": ("olmo2", dict(num_key_value_heads=4)),  # MHA, as OLMo 2 7B / 13B: AWQ's v -> o group applies
     "phi3": ("phi3", dict(sliding_window=WINDOW)),
     "phi4-mini": ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True)),  # RoPE on 12 of 16 dims
     "phi3-longrope": ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=32,

@@ -117,15 +117,19 @@ def test_fused_3d_experts_split_into_per_expert_linears(name, pairs):
 
 
 def test_attention_facts_are_data_and_the_paged_path_refuses_what_it_cannot_run(pairs):
-    specs = {name: pairs(name)[1].model.attention_specs for name in ("llama", "gemma2", "gemma3", "qwen2")}
-    assert {(s.scale, s.sliding_window, s.logit_softcap) for s in specs["llama"]} == {(0.25, None, None)}
+    specs = {name: pairs(name)[1].model.attention_specs
+             for name in ("llama", "gemma", "gemma2", "gemma3", "qwen2", "smollm3")}
+    assert {(s.scale, s.sliding_window, s.logit_softcap) for s in specs["llama"] + specs["gemma"]} == {
+        (0.25, None, None)}
     assert [(s.sliding_window, s.logit_softcap) for s in specs["gemma2"]] == [(WINDOW, 1.0), (None, 1.0)]
     assert [s.sliding_window for s in specs["gemma3"]] == [WINDOW, WINDOW, None] * 2  # 2 local : 1 global here
     assert all(s.scale == pytest.approx(24 ** -0.5) for s in specs["gemma3"])
     assert [s.sliding_window for s in specs["qwen2"]] == [None, WINDOW]
+    assert [s.sliding_window for s in specs["smollm3"]] == [None, None, None, WINDOW]  # the NoPE layer slides
+    assert [layer.rotary is None for layer in pairs("smollm3")[1].model.model.layers] == [False, False, False, True]
     gemma3 = pairs("gemma3")[1].model
     assert gemma3.model.layers[0].rotary is not gemma3.model.layers[2].rotary  # local vs global RoPE base
-    for name in ("llama", "qwen3_moe", "mistral", "gemma2", "gemma3"):  # both backends honour every spec
+    for name in ("llama", "qwen3_moe", "mistral", "gemma", "gemma2", "gemma3", "smollm3"):  # both paged backends
         assert unsupported_by_paged_attention(pairs(name)[1].model) is None, name
     longrope = copy.deepcopy(pairs("phi3-longrope")[1].model)  # its RoPE switches until settled for a length
     reason = unsupported_by_paged_attention(longrope)
@@ -172,10 +176,12 @@ def test_rtn_gptq_awq_run_on_every_family(name, pairs):
     assert divergence["gptq"] <= divergence["rtn"] and divergence["awq"] <= divergence["rtn"], divergence
 
 
-@pytest.mark.parametrize("name", ["gemma2", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "mixtral", "qwen2_moe", "granite", "olmo2"])
 @torch.no_grad()
 def test_awq_folding_keeps_logits(name, pairs):
-    """Gemma's norms scale by (1 + w); an MoE block's router (and shared-expert gate) is scaled with its experts."""
+    """Gemma's norms scale by (1 + w) (Gemma 1: the pre-norm block's two, Gemma 2: the sandwich's input and
+    pre-feedforward ones); an MoE block's router (and shared-expert gate) is scaled with its experts; Granite's
+    multipliers act outside every folded pair; OLMo 2's block folds v -> o and up -> down alone."""
     model = copy.deepcopy(pairs(name)[1].model)
     spec = arch_spec(model.config.model_type)
     awq = AWQ(QuantScheme(4, 32, sym=False), spec, n_grid=4)
@@ -189,6 +195,22 @@ def test_awq_folding_keeps_logits(name, pairs):
         awq.search_and_fold(block, names, stats)
         x = block(x, positions)
     torch.testing.assert_close(model(ids), reference, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_olmo2_block_has_no_input_norms_and_its_norms_round_as_transformers(pairs):
+    """No norm feeds q/k/v or gate/up (AWQ scales v -> o and up -> down alone); q_norm spans the whole projection
+    (Hq * D); every norm rounds its fp32 product with the weight once, as transformers' Olmo2RMSNorm (Llama's
+    RMSNorm rounds before the product): bit for bit in bf16."""
+    hf, loaded = pairs("olmo2")
+    ours, theirs = loaded.model.model.layers[0], hf.model.layers[0]
+    assert not hasattr(ours, "input_layernorm") and ours.self_attn.q_norm.weight.shape == (4 * 16,)
+    assert [(g.prev, g.linears) for g in arch_spec("olmo2").in_block(ours).awq_groups] == [
+        ("self_attn.v_proj", ("self_attn.o_proj",)), ("mlp.up_proj", ("mlp.down_proj",))]
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for name in ("self_attn.q_norm", "self_attn.k_norm", "post_feedforward_layernorm"):
+        norm, reference = (copy.deepcopy(m.get_submodule(name)).bfloat16() for m in (ours, theirs))
+        assert torch.equal(norm(x), reference(x)), name
 
 
 @pytest.mark.parametrize("name, layout", [("mixtral", "gptq"), ("qwen2_moe", "awq"),

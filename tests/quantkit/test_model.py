@@ -116,12 +116,34 @@ def test_gemma3_old_and_new_rope_keys_parse_alike():
     assert [a.window(i) for i in range(6)] == [4096] * 5 + [None]  # 5 local : 1 global
 
 
+@pytest.mark.parametrize("extra", [dict(no_rope_layer_interval=3, use_sliding_window=True, sliding_window=16),
+                                   dict(no_rope_layers=[1, 0, 0, 1, 1, 1, 0, 1], use_sliding_window=True),
+                                   dict(use_sliding_window=False, sliding_window=16)])
+def test_smollm3_nope_layers_windows_and_defaults_are_transformers(extra):
+    """Which layers skip RoPE and which slide, derived as SmolLM3Config derives them; its defaults for the RoPE
+    base and the tied embeddings (Gemma's are tied too)."""
+    raw = tiny_hf_config("smollm3", num_hidden_layers=8, **extra)
+    del raw["rope_theta"], raw["tie_word_embeddings"]
+    theirs, ours = AutoConfig.for_model(**raw), ModelConfig.from_hf(raw)
+    assert ours.nope_layers == tuple(i for i, rope in enumerate(theirs.no_rope_layers) if not rope)
+    assert [ours.window(i) for i in range(8)] == [
+        theirs.sliding_window if t == "sliding_attention" else None for t in theirs.layer_types]
+    assert (ours.rope_theta, ours.tie_word_embeddings) == (theirs.rope_parameters["rope_theta"], True) == (2e6, True)
+    gemma = tiny_hf_config("gemma")
+    del gemma["tie_word_embeddings"]
+    assert ModelConfig.from_hf(gemma).tie_word_embeddings and AutoConfig.for_model(**gemma).tie_word_embeddings
+
+
 @pytest.mark.parametrize("hf, message", [
     (tiny_hf_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0}), r"Llama \(llama\): rope .* 'dynamic'"),
     (tiny_hf_config("phi3", partial_rotary_factor=0.2), r"Phi-3 \(phi3\): partial_rotary_factor 0.2 rotates 3 of"),
     (tiny_hf_config("gemma2", use_bidirectional_attention=True), r"Gemma 2 \(gemma2\): use_bidirectional"),
+    (tiny_hf_config("gemma", use_bidirectional_attention=True), r"Gemma \(gemma\): use_bidirectional"),
+    (tiny_hf_config("gemma", hidden_act="silu"), r"Gemma \(gemma\): hidden_act 'silu' is not supported"),
+    (tiny_hf_config("smollm3", no_rope_layers=[1]), r"SmolLM3 \(smollm3\): no_rope_layers has 1 entries for 2"),
+    (tiny_hf_config("granite", logits_scaling=0), r"Granite \(granite\): logits_scaling is 0"),
     (tiny_hf_config("qwen2_moe", num_experts=4, num_experts_per_tok=2), r"Qwen2-MoE \(qwen2_moe\) model has no 'moe_"),
-    (tiny_hf_config("gpt_neox"), r"'gpt_neox' is not supported: quantkit runs Gemma 2 \(gemma2\), .*Llama \(llama\)"),
+    (tiny_hf_config("gpt_neox"), r"'gpt_neox' is not supported: quantkit runs Gemma \(gemma\), .*Llama \(llama\)"),
 ])
 def test_configs_quantkit_cannot_run_are_refused_naming_the_family(hf, message):
     with pytest.raises(QuantkitError, match=message):

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from quantkit.benchmark.plan import GPUS, make_plan, model_params, weight_bytes
 from quantkit.errors import QuantkitError
 from quantkit.models import ModelConfig
+from quantkit.models.sharding import check_shardable
 from quantkit.models.tensor_parallel import check_tensor_parallel, device_shape, split_kind
 from quantkit.serve.capacity import kv_bytes_per_token
 from tests.quantkit.families import BASE, FAMILIES
@@ -177,10 +178,31 @@ def test_plan_cli_refuses_before_sizing(tmp_path):
     assert str(res.exception).startswith("--tensor-parallel-size 3 cannot split this model (config.json)")
 
 
+def tiny(name: str) -> ModelConfig:
+    model_type, extra = FAMILIES[name]
+    return ModelConfig.from_hf(AutoConfig.for_model(model_type, **{**BASE, **extra}).to_dict())
+
+
 def test_every_family_shards_at_two_cards():
-    """Every family's tiny config splits over 2 cards: the split parameters halve, the rest stay whole."""
-    for name, (model_type, extra) in FAMILIES.items():
-        cfg = ModelConfig.from_hf(AutoConfig.for_model(model_type, **{**BASE, **extra}).to_dict())
+    """Every family's tiny config but OLMo 2's (below) splits over 2 cards: the split parameters halve, the rest
+    stay whole."""
+    for name in FAMILIES:
+        if name == "olmo2":
+            continue
+        cfg = tiny(name)
+        check_tensor_parallel(cfg, 2)
         for p in model_params(cfg):
             one, two = math.prod(p.shape), math.prod(device_shape(p.name, p.shape, cfg, 2))
             assert two * (1 if split_kind(p.name) == "replicated" else 2) == one, (name, p.name)
+
+
+def test_olmo2_refuses_tensor_parallelism():
+    """OLMo 2's q/k norms span every head, which no card's share of the heads computes: plan and TP serving refuse
+    it alike, naming the family and the norms."""
+    cfg = tiny("olmo2")
+    check_tensor_parallel(cfg, 1)
+    refused = r"--tensor-parallel-size 2: OLMo 2 \(olmo2\) normalises q and k over all heads at once \(q_norm / k_norm"
+    for refuse in (lambda: check_tensor_parallel(cfg, 2), lambda: check_shardable(cfg, 2),
+                   lambda: make_plan(cfg, GPUS["h100-80gb"], quant="w4", tensor_parallel_size=2)):
+        with pytest.raises(QuantkitError, match=refused):
+            refuse()

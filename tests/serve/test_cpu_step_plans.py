@@ -95,9 +95,11 @@ def plan_and_eager(runner, feeds):
 
 # llama: plain; qwen2: q/k/v biases, layer 1 sliding; qwen3: q/k RMSNorm; phi3: fused gate_up split at load;
 # qwen3-yarn, phi3-longrope (settled on its long factors by the serving length): cos/sin scaled by a factor;
-# phi4-mini: RoPE on 12 of each head's 16 dims
+# phi4-mini: RoPE on 12 of each head's 16 dims; smollm3: layer 3 without RoPE (no rope call), sliding; granite:
+# embeddings, o and down scaled by its multipliers, logits divided after the replay
 CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("qwen3", "bf16"), ("phi3", "bf16"), ("qwen3-yarn", "bf16"),
-         ("phi3-longrope", "bf16"), ("phi4-mini", "bf16"),
+         ("phi3-longrope", "bf16"), ("phi4-mini", "bf16"), ("smollm3", "bf16"), ("granite", "bf16"),
+         pytest.param("granite", "w4", marks=needs_gemv),
          pytest.param("llama", "w4", marks=needs_gemv), pytest.param("qwen2", "w4", marks=needs_gemv),
          pytest.param("qwen3", "w8", marks=needs_gemv), pytest.param("llama", "mixed", marks=needs_gemv),
          pytest.param("qwen2", "mixed", marks=needs_gemv)]
@@ -147,7 +149,7 @@ def test_w4_batches_above_the_gemv_rows_get_a_plan_on_the_gemm_that_takes_them(f
     assert runner_for(family("llama"), "bf16").plans.plan(8) is not None  # AMX's or the rowwise GEMM: any rows
 
 
-@pytest.mark.parametrize("name, reason", [("gemma2", "Gemma 2"), ("mixtral", "MoE")])
+@pytest.mark.parametrize("name, reason", [("gemma2", "Gemma 2"), ("mixtral", "MoE"), ("olmo2", "OLMo 2")])
 def test_models_plans_do_not_cover_say_why(family, name, reason, caplog):
     with caplog.at_level("INFO", logger="quantkit.serve"):
         runner = runner_for(family(name))
@@ -213,6 +215,8 @@ def test_the_recorder_refuses_what_a_kernel_does_not_take():
         plan.copy_rows(torch.zeros(4, 8, dtype=bf), torch.zeros(3, dtype=torch.int32), torch.zeros(3, 8, dtype=bf))
     with pytest.raises(ValueError, match="add_rows"):
         plan.add_rows(torch.zeros(2, 8, dtype=bf), torch.zeros(3, 8, dtype=bf))
+    with pytest.raises(ValueError, match="scale_rows"):
+        plan.scale_rows(torch.zeros(2, 8), 0.5)
     with pytest.raises(ValueError, match="rope"):
         plan.rope(torch.zeros(2, 4, 16, dtype=bf), torch.zeros(2, 2, 16, dtype=bf), torch.zeros(3, dtype=torch.int64),
                   torch.zeros(8, 16))
