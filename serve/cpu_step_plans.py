@@ -55,8 +55,10 @@ def unsupported(runner) -> Optional[str]:
     attn = runner.attn
     if not isinstance(attn, TorchPagedAttention):
         return f"the {type(attn).__name__} backend"
-    if model.family.embed_scale or type(model.model.norm) is not RMSNorm:
-        return f"{model.family.name}'s embedding scale or final norm"
+    if model.family.embed_scale:
+        return f"{model.family.name}'s embedding scale"
+    if type(model.model.norm) is not RMSNorm:
+        return f"{model.family.name}'s final norm ({type(model.model.norm).__name__}: the C norm rounds like RMSNorm)"
     for i, layer in enumerate(model.model.layers):
         reason = _layer_unsupported(layer, attn, i)
         if reason is not None:
