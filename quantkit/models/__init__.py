@@ -13,13 +13,16 @@ from quantkit.models.gemma2 import GEMMA2  # noqa: F401
 from quantkit.models.gemma3 import GEMMA3  # noqa: F401
 from quantkit.models.granite import GRANITE  # noqa: F401
 from quantkit.models.llama import LLAMA  # noqa: F401
+from quantkit.models.ministral import MINISTRAL  # noqa: F401
 from quantkit.models.mistral import MISTRAL  # noqa: F401
 from quantkit.models.mixtral import MIXTRAL  # noqa: F401
 from quantkit.models.model import CausalLM  # noqa: F401
 from quantkit.models.olmo2 import OLMO2  # noqa: F401
+from quantkit.models.olmo3 import OLMO3  # noqa: F401
 from quantkit.models.phi3 import PHI3  # noqa: F401
 from quantkit.models.qwen2 import QWEN2  # noqa: F401
 from quantkit.models.qwen2_moe import QWEN2_MOE  # noqa: F401
 from quantkit.models.qwen3 import QWEN3  # noqa: F401
 from quantkit.models.qwen3_moe import QWEN3_MOE  # noqa: F401
+from quantkit.models.seed_oss import SEED_OSS  # noqa: F401
 from quantkit.models.smollm3 import SMOLLM3  # noqa: F401

@@ -149,6 +149,24 @@ def parse_rope(rope: dict, hf: dict, where: str, default_theta: float = 10000.0)
     return theta, {**rope, "rope_type": kind}
 
 
+def per_layer_type_rope(hf: dict, where: str, default_theta: float, local_default: Optional[float]) -> dict:
+    """ModelConfig's RoPE fields where the sliding layers run their own unscaled RoPE (Gemma 3, OLMo 3): 5.x
+    `rope_parameters` keyed by layer type, or 4.x rope_theta / rope_scaling for the full layers and
+    rope_local_base_freq (else `local_default`, else the full layers' theta) for the sliding ones.
+    rope_local_theta stays None where the sliding layers' RoPE is the full layers'."""
+    rope = rope_parameters(hf)
+    if FULL in rope or SLIDING in rope:
+        theta, scaling = parse_rope(dict(rope.get(FULL) or {}), hf, where, default_theta)
+        local, local_scaling = parse_rope(dict(rope.get(SLIDING) or {}), hf, where, local_default or default_theta)
+    else:
+        theta, scaling = parse_rope(rope, hf, where, default_theta)
+        local, local_scaling = float(hf.get("rope_local_base_freq") or local_default or theta), None
+    if local_scaling is not None:
+        raise QuantkitError(f"{where}: RoPE scaling on the sliding layers is not supported")
+    same = local == theta and scaling is None
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": None if same else local}
+
+
 def windowed(types: list[str], window: Optional[int]) -> dict:
     """ModelConfig fields for per-layer types sharing one window; {} (full attention) without a window."""
     if not window or SLIDING not in types:

@@ -133,8 +133,11 @@ REGISTRY: dict[str, ArchSpec] = {
     "smollm3": _LLAMA,
     "gemma": _LLAMA,  # pre-norm: its (1 + w) norms fold like Gemma 2's (quant/awq.py, weight_offset)
     "mistral": _LLAMA,
+    "ministral": _LLAMA,
+    "seed_oss": _LLAMA,  # its o_proj bias (attention_out_bias) is folded like any Linear's bias
     "granite": _LLAMA,  # its multipliers scale sublayer outputs, embeddings and logits, never a Linear's input
     "olmo2": _OLMO2,
+    "olmo3": _OLMO2,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,  # q_norm / k_norm are not Linears
     "phi3": _LLAMA,  # after the load-time split of qkv_proj / gate_up_proj (models/keys.py)

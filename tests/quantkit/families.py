@@ -25,6 +25,9 @@ FAMILIES = {
     "smollm3": ("smollm3", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=WINDOW)),  # 3 NoPE, slides
     "gemma": ("gemma", dict(head_dim=16)),
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "ministral": ("ministral", dict(num_hidden_layers=3, head_dim=16, sliding_window=WINDOW,
+                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "seed_oss": ("seed_oss", dict(head_dim=16, attention_bias=True, attention_out_bias=True)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # layer 1 slides
     "qwen3": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "qwen3-yarn": ("qwen3", dict(head_dim=16, rope_scaling=YARN)),  # cos/sin scaled by its attention factor
@@ -36,6 +39,8 @@ FAMILIES = {
     "granite": ("granite", dict(embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.3,
                                 logits_scaling=3.0, tie_word_embeddings=True)),  # each far from 1: none can hide
     "olmo2": ("olmo2", dict(num_key_value_heads=4)),  # MHA, as OLMo 2 7B / 13B: AWQ's v -> o group applies
+    "olmo3": ("olmo3", dict(num_hidden_layers=4, num_key_value_heads=4, sliding_window=WINDOW,
+                            rope_scaling=YARN)),  # layers 0-2 slide on plain RoPE, layer 3 is full with YaRN
     "phi3": ("phi3", dict(sliding_window=WINDOW)),
     "phi4-mini": ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True)),  # RoPE on 12 of 16 dims
     "phi3-longrope": ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=32,

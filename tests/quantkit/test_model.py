@@ -116,6 +116,38 @@ def test_gemma3_old_and_new_rope_keys_parse_alike():
     assert [a.window(i) for i in range(6)] == [4096] * 5 + [None]  # 5 local : 1 global
 
 
+def test_olmo3_old_and_new_rope_keys_parse_alike():
+    """OLMo 3's 4.x config (the Hub's: rope_theta and a YaRN rope_scaling, no layer_types) and transformers 5's
+    (rope_parameters per layer type): YaRN on the full layers only, the sliding ones on plain RoPE of the same base,
+    three sliding layers to one full."""
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "attention_factor": 1.2}
+    old = tiny_hf_config("olmo3", num_hidden_layers=8, rope_theta=5e5, rope_scaling=yarn, sliding_window=4096)
+    new = AutoConfig.for_model(**old).to_dict()
+    assert new["rope_parameters"]["sliding_attention"]["rope_type"] == "default"
+    a, b = ModelConfig.from_hf(old), ModelConfig.from_hf(new)
+    assert (a.rope_theta, a.rope_local_theta, a.layer_types) == (b.rope_theta, b.rope_local_theta, b.layer_types)
+    assert a.rope(sliding=True) == b.rope(sliding=True) == (5e5, None)
+    assert a.rope_scaling == b.rope_scaling and a.rope_scaling["factor"] == 8.0
+    assert [a.window(i) for i in range(8)] == [4096, 4096, 4096, None] * 2
+    plain = ModelConfig.from_hf(tiny_hf_config("olmo3", rope_theta=5e5))
+    assert plain.rope_local_theta is None  # one RoPE for every layer: one rotary, one table
+
+
+def test_seed_oss_and_ministral_defaults_are_transformers():
+    """Fields a config.json may omit, read as transformers' classes default them: Seed-OSS's q/k/v bias on and o bias
+    off; Ministral's layers all sliding when a window is set, all full without one, and never a bias."""
+    raw = tiny_hf_config("seed_oss", head_dim=16)
+    attn = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw)).model.layers[0].self_attn
+    ours = ModelConfig.from_hf(raw)
+    assert (ours.qkv_bias, ours.o_bias) == (attn.q_proj.bias is not None, attn.o_proj.bias is not None) == (True, False)
+    for window in (16, None):
+        raw = tiny_hf_config("ministral", head_dim=16, sliding_window=window, attention_bias=True)
+        theirs, ours = AutoConfig.for_model(**raw), ModelConfig.from_hf(raw)
+        assert [ours.window(i) for i in range(2)] == [
+            theirs.sliding_window if t == "sliding_attention" else None for t in theirs.layer_types]
+        assert not ours.qkv_bias and not ours.o_bias
+
+
 @pytest.mark.parametrize("extra", [dict(no_rope_layer_interval=3, use_sliding_window=True, sliding_window=16),
                                    dict(no_rope_layers=[1, 0, 0, 1, 1, 1, 0, 1], use_sliding_window=True),
                                    dict(use_sliding_window=False, sliding_window=16)])

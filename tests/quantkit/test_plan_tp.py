@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from quantkit.benchmark.plan import GPUS, make_plan, model_params, weight_bytes
 from quantkit.errors import QuantkitError
 from quantkit.models import ModelConfig
+from quantkit.models.family import family_of
 from quantkit.models.sharding import check_shardable
 from quantkit.models.tensor_parallel import check_tensor_parallel, device_shape, split_kind
 from quantkit.serve.capacity import kv_bytes_per_token
@@ -184,24 +185,25 @@ def tiny(name: str) -> ModelConfig:
 
 
 def test_every_family_shards_at_two_cards():
-    """Every family's tiny config but OLMo 2's (below) splits over 2 cards: the split parameters halve, the rest
-    stay whole."""
+    """Every family's tiny config but those whose q/k norms span all heads (OLMo 2 and 3, below) splits over 2
+    cards: the split parameters halve, the rest stay whole."""
     for name in FAMILIES:
-        if name == "olmo2":
-            continue
         cfg = tiny(name)
+        if family_of(cfg.model_type).qk_norm_whole:
+            continue
         check_tensor_parallel(cfg, 2)
         for p in model_params(cfg):
             one, two = math.prod(p.shape), math.prod(device_shape(p.name, p.shape, cfg, 2))
             assert two * (1 if split_kind(p.name) == "replicated" else 2) == one, (name, p.name)
 
 
-def test_olmo2_refuses_tensor_parallelism():
-    """OLMo 2's q/k norms span every head, which no card's share of the heads computes: plan and TP serving refuse
-    it alike, naming the family and the norms."""
-    cfg = tiny("olmo2")
+@pytest.mark.parametrize("name, family", [("olmo2", "OLMo 2"), ("olmo3", "OLMo 3")])
+def test_olmo_refuses_tensor_parallelism(name, family):
+    """OLMo 2's and 3's q/k norms span every head, which no card's share of the heads computes: plan and TP serving
+    refuse it alike, naming the family and the norms."""
+    cfg = tiny(name)
     check_tensor_parallel(cfg, 1)
-    refused = r"--tensor-parallel-size 2: OLMo 2 \(olmo2\) normalises q and k over all heads at once \(q_norm / k_norm"
+    refused = rf"--tensor-parallel-size 2: {family} \({name}\) normalises q and k over all heads at once \(q_norm"
     for refuse in (lambda: check_tensor_parallel(cfg, 2), lambda: check_shardable(cfg, 2),
                    lambda: make_plan(cfg, GPUS["h100-80gb"], quant="w4", tensor_parallel_size=2)):
         with pytest.raises(QuantkitError, match=refused):
