@@ -26,6 +26,9 @@ from quantkit.errors import QuantkitError
 from quantkit.files import read_json, read_safetensors
 from quantkit.formats import awq, compressed_tensors, fused, gptq
 from quantkit.formats.safetensors_stream import Stored, write_safetensors
+from quantkit.models.config import ModelConfig
+from quantkit.models.family import FAMILIES
+from quantkit.models.keys import pair_rope_rows
 from quantkit.quant.qlinear import QLinear
 from quantkit.quant.scheme import QTensor
 
@@ -182,9 +185,16 @@ def checkpoint_tensors(module: nn.Module, hf_config: dict, layout: str, dtype: t
     one decoder block with prefix "model.layers.<i>." (a block's tensors do not depend on the rest of the model)."""
     qlinears = qlinear_modules(module)
     entries = {prefix + name: (m.qtensor().to("cpu"), m.bias) for name, m in qlinears.items()}
+    floats = {prefix + k: t for k, t in _float_tensors(module, qlinears, hf_config, dtype).items()}
+    family = FAMILIES.get(hf_config.get("model_type"))
+    if family is not None and family.rope_pairs:  # q/k rows back to the checkpoint's RoPE pairs (models/keys.py)
+        cfg = ModelConfig.from_hf(hf_config)
+        floats = pair_rope_rows(floats, cfg)
+        for name, (qt, bias) in entries.items():
+            key = f"{name}.weight"
+            entries[name] = fused.take_rows(qt, bias, pair_rope_rows({key: torch.arange(qt.shape[0])}, cfg)[key])
     tensors = _quantized_tensors(fused.fuse(hf_config.get("model_type", "llama"), entries), layout, dtype)
-    tensors.update({prefix + k: t for k, t in _float_tensors(module, qlinears, hf_config, dtype).items()})
-    return tensors
+    return {**tensors, **floats}
 
 
 def _quantized_tensors(entries: dict[str, fused.Entry], layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:

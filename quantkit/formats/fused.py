@@ -2,10 +2,11 @@
 
 quantkit quantizes one Linear per projection (q/k/v_proj, gate/up_proj), but Phi-3's checkpoints, and the Phi-3
 modules of transformers and vLLM that load them, have one `self_attn.qkv_proj` (rows q | k | v) and one
-`mlp.gate_up_proj` (rows gate | up). A quantized folder must use the loading runtime's module names, so the parts'
-QTensors are concatenated along N (codes, zeros and scales are all row-major in N; the parts share their input, so
-their g_idx is one) and written under the fused name. Reading splits them again by the family's own `split` (the
-one place the row sizes live, quantkit/models/keys.py), so a fused folder written by GPTQModel reads the same way.
+`mlp.gate_up_proj` (rows gate | up); GLM's have that gate_up_proj. A quantized folder must use the loading runtime's
+module names, so the parts' QTensors are concatenated along N (codes, zeros and scales are all row-major in N; the
+parts share their input, so their g_idx is one) and written under the fused name. Reading splits them again by the
+family's own `split` (the one place the row sizes live, quantkit/models/keys.py), so a fused folder written by
+GPTQModel reads the same way.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from quantkit.quant.scheme import QTensor
 Entry = tuple[QTensor, Optional[torch.Tensor]]  # (QTensor, bias or None) of one quantized Linear
 
 # model_type -> (fused name, its parts in row order), names relative to the Linears' common parent module
+_GATE_UP = ("gate_up_proj", ("gate_proj", "up_proj"))
 FUSED_ON_DISK: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "phi3": (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))),
+    "phi3": (("qkv_proj", ("q_proj", "k_proj", "v_proj")), _GATE_UP),
+    "glm": (_GATE_UP,),
+    "glm4": (_GATE_UP,),
 }
 
 
@@ -55,25 +59,28 @@ def fuse(model_type: str, entries: dict[str, Entry]) -> dict[str, Entry]:
 
 
 def split(hf_config: dict, entries: dict[str, Entry]) -> dict[str, Entry]:
-    """{checkpoint module name: entry} -> {Linear name: entry}: every fused module cut into its parts' rows."""
-    if hf_config.get("model_type") not in FUSED_ON_DISK:
-        return entries
+    """{checkpoint module name: entry} -> {Linear name: entry}: every fused module cut into its parts' rows, the
+    rows of each in the model's order (the family's model_tensors, applied to row indices)."""
     from quantkit.models.config import ModelConfig
-    from quantkit.models.family import family_of
+    from quantkit.models.family import FAMILIES, same_keys
 
+    family = FAMILIES.get(hf_config.get("model_type"))
+    if family is None or family.split is same_keys and not family.rope_pairs:
+        return entries  # the loader refuses an unknown model_type with the list of those it runs
     cfg = ModelConfig.from_hf(hf_config)
-    family = family_of(cfg.model_type)
     out = {}
     for name, (qt, bias) in entries.items():
-        rows = family.split({f"{name}.weight": torch.arange(qt.shape[0])}, cfg)  # part.weight -> its row indices
-        if list(rows) == [f"{name}.weight"]:
-            out[name] = (qt, bias)
-            continue
+        rows = family.model_tensors({f"{name}.weight": torch.arange(qt.shape[0])}, cfg)  # weight -> its rows
         for key, index in rows.items():
-            part = QTensor(qt.codes[index].contiguous(), qt.zeros[index].contiguous(), qt.scales[index].contiguous(),
-                           qt.g_idx, qt.bits, qt.group_size, qt.sym)
-            out[key.removesuffix(".weight")] = (part, None if bias is None else bias[index].contiguous())
+            out[key.removesuffix(".weight")] = take_rows(qt, bias, index)
     return out
+
+
+def take_rows(qt: QTensor, bias: Optional[torch.Tensor], index: torch.Tensor) -> Entry:
+    """The entry of output rows `index` of (qt, bias); g_idx, which indexes input columns, is shared."""
+    part = QTensor(qt.codes[index].contiguous(), qt.zeros[index].contiguous(), qt.scales[index].contiguous(),
+                   qt.g_idx, qt.bits, qt.group_size, qt.sym)
+    return part, None if bias is None else bias[index].contiguous()
 
 
 def _concat(target: str, entries: list[Entry]) -> Entry:

@@ -8,10 +8,14 @@ The family files are imported here (below), so each registers its Family before 
 
 from quantkit.models.attention import AttentionSpec, unsupported_by_paged_attention  # noqa: F401
 from quantkit.models.config import ModelConfig  # noqa: F401
+from quantkit.models.ernie4_5 import ERNIE4_5  # noqa: F401
+from quantkit.models.exaone4 import EXAONE4  # noqa: F401
 from quantkit.models.gemma import GEMMA  # noqa: F401
 from quantkit.models.gemma2 import GEMMA2  # noqa: F401
 from quantkit.models.gemma3 import GEMMA3  # noqa: F401
+from quantkit.models.glm import GLM, GLM4  # noqa: F401
 from quantkit.models.granite import GRANITE  # noqa: F401
+from quantkit.models.helium import HELIUM  # noqa: F401
 from quantkit.models.llama import LLAMA  # noqa: F401
 from quantkit.models.ministral import MINISTRAL  # noqa: F401
 from quantkit.models.mistral import MISTRAL  # noqa: F401

@@ -1,5 +1,5 @@
-"""The decoder blocks: Llama's pre-norm block, Gemma's sandwich and OLMo 2's post-norm block, each built from a
-Family's norm, MLP and MoE."""
+"""The decoder blocks: Llama's pre-norm block, Gemma's and GLM-4-0414's sandwich and OLMo 2's post-norm block, each
+built from a Family's norm, MLP and MoE."""
 
 from __future__ import annotations
 
@@ -59,6 +59,18 @@ class SandwichDecoderLayer(DecoderLayer):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, self.rotary, attn))
         return x + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(x)))
+
+
+class Glm4DecoderLayer(DecoderLayer):
+    """GLM-4-0414: Gemma 2's sandwich under GLM's checkpoint names (post_attention_layernorm is the MLP's input norm):
+    x += post_self_attn_layernorm(attn(input_layernorm(x)));
+    x += post_mlp_layernorm(mlp(post_attention_layernorm(x)))."""
+
+    norms = DecoderLayer.norms + ("post_self_attn_layernorm", "post_mlp_layernorm")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
+        x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), positions, self.rotary, attn))
+        return x + self.post_mlp_layernorm(self.ffn(self.post_attention_layernorm(x)))
 
 
 class PostNormDecoderLayer(DecoderLayer):

@@ -109,6 +109,12 @@ class ModelConfig:
         return cfg
 
 
+def class_head_dim(hf: dict, default: int) -> int:
+    """head_dim as a config class that declares one (GLM, ERNIE 4.5, Helium: 128) fills it in: config.json's value,
+    `default` when the key is absent, hidden_size / num_attention_heads when it is null."""
+    return hf.get("head_dim", default) or hf["hidden_size"] // hf["num_attention_heads"]
+
+
 def need(hf: dict, key: str, where: str):
     """hf[key], or a QuantkitError naming the family and the missing field."""
     value = hf.get(key)

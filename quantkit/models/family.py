@@ -14,6 +14,7 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.models.blocks import DecoderLayer
+from quantkit.models.keys import half_rope_rows
 from quantkit.models.layers import MLP, RMSNorm
 
 
@@ -44,6 +45,15 @@ class Family:
     # checkpoint tensors -> the model's state-dict names (split fused q/k/v, gate/up and 3-d expert tensors;
     # quantkit/models/keys.py); run on the float tensors of every folder the loader reads
     split: Callable[[dict[str, torch.Tensor], object], dict[str, torch.Tensor]] = same_keys
+    # RoPE turns interleaved pairs of each head's dims (GLM, Ernie 4.5, Helium): q/k rows reordered into
+    # rotate-half's order at load (model_tensors) and back at write (formats/checkpoint.py)
+    rope_pairs: bool = False
+
+    def model_tensors(self, state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+        """A checkpoint's tensors (float, or the row indices of quantized ones) -> the model's: `split`, then q/k
+        rows in rotate-half order where the family's RoPE turns pairs."""
+        state = self.split(state, cfg)
+        return half_rope_rows(state, cfg) if self.rope_pairs else state
 
 
 FAMILIES: dict[str, Family] = {}  # model_type -> its family

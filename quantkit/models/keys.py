@@ -9,13 +9,19 @@ per expert), so fused checkpoint tensors are split at load:
                    <p>.mlp.experts.gate_up_proj  [E, 2I, H] -> <moe>.experts.{e}.<gate> | <up>   (rows [:I] | [I:])
                    <p>.mlp.experts.down_proj     [E, H, I]  -> <moe>.experts.{e}.<down>
                    <p>.mlp.gate.weight                      -> <moe>.gate.weight (Mixtral's moe is block_sparse_moe)
+
+Families whose RoPE turns interleaved pairs (GLM, Ernie 4.5, Helium) have their q_proj / k_proj rows reordered at
+load into rotate-half's order (`half_rope_rows`) and back at write (`pair_rope_rows`), so one RoPE serves every path.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
+
+from quantkit.errors import QuantkitError
 
 
 def split_rows(state: dict[str, torch.Tensor], fused: str, parts: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -53,3 +59,40 @@ def split_experts(state: dict[str, torch.Tensor], moe: str, gate: str, up: str, 
             for e, w in enumerate(t):
                 out[f"{base}.experts.{e}.{gate}.weight"], out[f"{base}.experts.{e}.{up}.weight"] = w[:half], w[half:]
     return out
+
+
+_ROTATED = re.compile(r"\.self_attn\.(?P<proj>[qk])_proj\.(weight|bias)$")
+
+
+def rope_row_order(key: str, cfg) -> Optional[torch.Tensor]:
+    """For a q_proj / k_proj weight or bias (else None): the row order [heads * D] taking each head's interleaved
+    RoPE pairs (x0, x1), (x2, x3), ... of its first R = cfg.rotary_dim dims to rotate-half's layout
+    (x0, x2, ..., x_{R-2}, x1, x3, ..., x_{R-1}), the other D - R dims in place. q and k reordered alike keep every
+    q.k, hence attention, unchanged; v and o are untouched."""
+    m = _ROTATED.search(key)
+    if m is None:
+        return None
+    d, r = cfg.head_dim, cfg.rotary_dim
+    heads = cfg.num_attention_heads if m["proj"] == "q" else cfg.num_key_value_heads
+    head = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, d)])
+    return (head + d * torch.arange(heads)[:, None]).reshape(-1)
+
+
+def half_rope_rows(state: dict[str, torch.Tensor], cfg, inverse: bool = False) -> dict[str, torch.Tensor]:
+    """Checkpoint q_proj / k_proj rows (interleaved RoPE pairs) -> rotate-half order (`rope_row_order`); inverse:
+    back to the checkpoint's order."""
+    out = {}
+    for key, t in state.items():
+        order = rope_row_order(key, cfg)
+        if order is not None:
+            if t.shape[0] != order.numel():
+                raise QuantkitError(f"tensor {key!r} has {t.shape[0]} rows where the config's heads x head_dim is "
+                                    f"{order.numel()}")
+            order = torch.argsort(order) if inverse else order
+        out[key] = t if order is None else t[order]
+    return out
+
+
+def pair_rope_rows(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """The model's q_proj / k_proj rows (rotate-half order) -> the checkpoint's interleaved pairs."""
+    return half_rope_rows(state, cfg, inverse=True)

@@ -174,7 +174,7 @@ def _build_quantized(folder: Path, hf_config: dict, dtype: torch.dtype) -> tuple
 def load_state(model: CausalLM, state: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> None:
     """Materialise every float parameter of `model` (built on meta) from `state` (checkpoint names, mapped by the
     family's split), cast to `dtype`."""
-    state = model.family.split(state, model.config)
+    state = model.family.model_tensors(state, model.config)
     if model.config.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     expected = {name for name, p in model.named_parameters() if p.is_meta}

@@ -138,6 +138,11 @@ REGISTRY: dict[str, ArchSpec] = {
     "granite": _LLAMA,  # its multipliers scale sublayer outputs, embeddings and logits, never a Linear's input
     "olmo2": _OLMO2,
     "olmo3": _OLMO2,
+    "exaone4": _OLMO2,  # post-norm like OLMo 2; its per-head q/k norms are not Linears
+    "helium": _LLAMA,  # its interleaved RoPE is a q/k row order fixed at load: GPTQ rows and AWQ scales ignore it
+    "ernie4_5": _LLAMA,
+    "glm": _LLAMA,  # after the load-time split of gate_up_proj (models/keys.py)
+    "glm4": _LLAMA,  # post_attention_layernorm is its MLP's input norm, as in Llama; the post-sublayer norms feed none
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,  # q_norm / k_norm are not Linears
     "phi3": _LLAMA,  # after the load-time split of qkv_proj / gate_up_proj (models/keys.py)

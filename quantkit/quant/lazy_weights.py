@@ -120,7 +120,7 @@ class LazyWeights:
     def state(self, unit: str) -> dict[str, torch.Tensor]:
         """The unit's tensors under the model's names, in the load dtype."""
         raw = {name: self._read(name) for name in self.units.get(unit, ())}
-        state = self.model.family.split(raw, self.model.config)
+        state = self.model.family.model_tensors(raw, self.model.config)
         expected = self.expected[unit]
         missing = [n for n in expected if n not in state]
         if missing:

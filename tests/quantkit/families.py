@@ -41,6 +41,12 @@ FAMILIES = {
     "olmo2": ("olmo2", dict(num_key_value_heads=4)),  # MHA, as OLMo 2 7B / 13B: AWQ's v -> o group applies
     "olmo3": ("olmo3", dict(num_hidden_layers=4, num_key_value_heads=4, sliding_window=WINDOW,
                             rope_scaling=YARN)),  # layers 0-2 slide on plain RoPE, layer 3 is full with YaRN
+    "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW,
+                                sliding_window_pattern=4)),  # layers 0-2 slide on RoPE, layer 3 is full and NoPE
+    "helium": ("helium", dict(head_dim=16, attention_bias=True, mlp_bias=True)),  # interleaved RoPE pairs
+    "ernie4_5": ("ernie4_5", dict(head_dim=16, use_bias=True)),  # interleaved RoPE pairs, every Linear biased
+    "glm": ("glm", dict(head_dim=16)),  # interleaved pairs on half of each head (8 of 16 dims), gate_up_proj fused
+    "glm4": ("glm4", dict(head_dim=16, tie_word_embeddings=True)),  # the same, and GLM-4-0414's sublayer norms
     "phi3": ("phi3", dict(sliding_window=WINDOW)),
     "phi4-mini": ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True)),  # RoPE on 12 of 16 dims
     "phi3-longrope": ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=32,

@@ -148,6 +148,41 @@ def test_seed_oss_and_ministral_defaults_are_transformers():
         assert not ours.qkv_bias and not ours.o_bias
 
 
+@pytest.mark.parametrize("model_type", ["glm", "glm4", "ernie4_5", "helium", "exaone4"])
+def test_fields_config_json_omits_default_as_transformers(model_type):
+    """A config.json holding only the sizes: head_dim, RoPE base and rotated dims, norm epsilon, biases, tying, the
+    sliding and NoPE layers read as transformers' config class and model fill them in."""
+    raw = {"model_type": model_type, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": None}
+    theirs, ours = AutoConfig.for_model(**raw), ModelConfig.from_hf(raw)
+    layer = AutoModelForCausalLM.from_config(theirs).model.layers[0]
+    rope = theirs.rope_parameters
+    head_dim = getattr(theirs, "head_dim", 64 // 4)  # EXAONE 4's class has none: hidden / heads
+    assert (ours.head_dim, ours.rope_theta, ours.rms_norm_eps, ours.tie_word_embeddings) == (
+        head_dim, rope["rope_theta"], theirs.rms_norm_eps, theirs.tie_word_embeddings)
+    assert ours.partial_rotary_factor == rope.get("partial_rotary_factor", 1.0)
+    assert (ours.qkv_bias, ours.o_bias, ours.mlp_bias) == (layer.self_attn.q_proj.bias is not None,
+                                                           layer.self_attn.o_proj.bias is not None,
+                                                           layer.mlp.down_proj.bias is not None)
+    types = getattr(theirs, "layer_types", None) or ["full_attention"] * 4
+    assert [ours.window(i) for i in range(4)] == [theirs.sliding_window if t == "sliding_attention" else None
+                                                  for t in types]
+    nope = tuple(i for i, t in enumerate(types) if t == "full_attention") if model_type == "exaone4" else ()
+    assert ours.nope_layers == nope
+
+
+def test_exaone4_sliding_pattern_string_and_no_window():
+    """EXAONE 4.0's Hub configs spell the pattern "LLLG" (each letter a layer: L slides, G is full and NoPE); without
+    a sliding_window every layer is full and rotates (EXAONE-4.0-1.2B)."""
+    cfg = ModelConfig.from_hf(tiny_hf_config("exaone4", num_hidden_layers=8, sliding_window=16,
+                                             sliding_window_pattern="LLLG"))
+    assert [cfg.window(i) for i in range(8)] == [16, 16, 16, None] * 2 and cfg.nope_layers == (3, 7)
+    plain = ModelConfig.from_hf(tiny_hf_config("exaone4", sliding_window=None))
+    assert [plain.window(i) for i in range(2)] == [None, None] and plain.nope_layers == ()
+    with pytest.raises(QuantkitError, match=r"EXAONE 4.0 \(exaone4\): sliding_window_pattern 'LGX' is neither"):
+        ModelConfig.from_hf(tiny_hf_config("exaone4", sliding_window=16, sliding_window_pattern="LGX"))
+
+
 @pytest.mark.parametrize("extra", [dict(no_rope_layer_interval=3, use_sliding_window=True, sliding_window=16),
                                    dict(no_rope_layers=[1, 0, 0, 1, 1, 1, 0, 1], use_sliding_window=True),
                                    dict(use_sliding_window=False, sliding_window=16)])
@@ -175,7 +210,8 @@ def test_smollm3_nope_layers_windows_and_defaults_are_transformers(extra):
     (tiny_hf_config("smollm3", no_rope_layers=[1]), r"SmolLM3 \(smollm3\): no_rope_layers has 1 entries for 2"),
     (tiny_hf_config("granite", logits_scaling=0), r"Granite \(granite\): logits_scaling is 0"),
     (tiny_hf_config("qwen2_moe", num_experts=4, num_experts_per_tok=2), r"Qwen2-MoE \(qwen2_moe\) model has no 'moe_"),
-    (tiny_hf_config("gpt_neox"), r"'gpt_neox' is not supported: quantkit runs Gemma \(gemma\), .*Llama \(llama\)"),
+    (tiny_hf_config("gpt_neox"),
+     r"'gpt_neox' is not supported: quantkit runs ERNIE 4.5 \(ernie4_5\), .*Gemma \(gemma\), .*Llama \(llama\)"),
 ])
 def test_configs_quantkit_cannot_run_are_refused_naming_the_family(hf, message):
     with pytest.raises(QuantkitError, match=message):

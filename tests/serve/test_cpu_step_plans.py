@@ -96,9 +96,11 @@ def plan_and_eager(runner, feeds):
 # llama: plain; qwen2: q/k/v biases, layer 1 sliding; qwen3: q/k RMSNorm; phi3: fused gate_up split at load;
 # qwen3-yarn, phi3-longrope (settled on its long factors by the serving length): cos/sin scaled by a factor;
 # phi4-mini: RoPE on 12 of each head's 16 dims; smollm3: layer 3 without RoPE (no rope call), sliding; granite:
-# embeddings, o and down scaled by its multipliers, logits divided after the replay
+# embeddings, o and down scaled by its multipliers, logits divided after the replay; ernie4_5: every Linear biased,
+# q/k rows reordered from RoPE pairs at load; glm: the same on half of each head's dims
 CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("qwen3", "bf16"), ("phi3", "bf16"), ("qwen3-yarn", "bf16"),
          ("phi3-longrope", "bf16"), ("phi4-mini", "bf16"), ("smollm3", "bf16"), ("granite", "bf16"),
+         ("ernie4_5", "bf16"), ("glm", "bf16"),
          pytest.param("granite", "w4", marks=needs_gemv),
          pytest.param("llama", "w4", marks=needs_gemv), pytest.param("qwen2", "w4", marks=needs_gemv),
          pytest.param("qwen3", "w8", marks=needs_gemv), pytest.param("llama", "mixed", marks=needs_gemv),
@@ -150,7 +152,9 @@ def test_w4_batches_above_the_gemv_rows_get_a_plan_on_the_gemm_that_takes_them(f
 
 
 @pytest.mark.parametrize("name, reason", [("gemma2", "Gemma 2's embedding scale"), ("mixtral", "MoE"),
-                                          ("olmo2", "OLMo 2's final norm (Fp32RMSNorm")])
+                                          ("olmo2", "OLMo 2's final norm (Fp32RMSNorm"),
+                                          ("glm4", "Glm4DecoderLayer (plans record"),
+                                          ("exaone4", "PostNormDecoderLayer (plans record")])
 def test_models_plans_do_not_cover_say_why(family, name, reason, caplog):
     with caplog.at_level("INFO", logger="quantkit.serve"):
         runner = runner_for(family(name))
