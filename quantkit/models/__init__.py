@@ -8,6 +8,7 @@ The family files are imported here (below), so each registers its Family before 
 
 from quantkit.models.attention import AttentionSpec, unsupported_by_paged_attention  # noqa: F401
 from quantkit.models.config import ModelConfig  # noqa: F401
+from quantkit.models.cohere import COHERE, COHERE2  # noqa: F401
 from quantkit.models.ernie4_5 import ERNIE4_5  # noqa: F401
 from quantkit.models.exaone4 import EXAONE4  # noqa: F401
 from quantkit.models.gemma import GEMMA  # noqa: F401

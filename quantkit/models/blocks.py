@@ -1,5 +1,5 @@
-"""The decoder blocks: Llama's pre-norm block, Gemma's and GLM-4-0414's sandwich and OLMo 2's post-norm block, each
-built from a Family's norm, MLP and MoE."""
+"""The decoder blocks: Llama's pre-norm block, Gemma's and GLM-4-0414's sandwich, Cohere's parallel block and OLMo
+2's post-norm block, each built from a Family's norm, MLP and MoE."""
 
 from __future__ import annotations
 
@@ -71,6 +71,17 @@ class Glm4DecoderLayer(DecoderLayer):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
         x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), positions, self.rotary, attn))
         return x + self.post_mlp_layernorm(self.ffn(self.post_attention_layernorm(x)))
+
+
+class ParallelDecoderLayer(DecoderLayer):
+    """Cohere: attention and MLP read the same normed input, side by side: h = input_layernorm(x);
+    x += attn(h) + mlp(h) (summed in that order, as transformers does)."""
+
+    norms = ("input_layernorm",)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
+        h = self.input_layernorm(x)
+        return x + self.self_attn(h, positions, self.rotary, attn) + self.ffn(h)
 
 
 class PostNormDecoderLayer(DecoderLayer):

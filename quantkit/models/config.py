@@ -48,6 +48,7 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # embeddings times it (Granite)
     residual_multiplier: float = 1.0  # each sublayer's output times it before the residual add (Granite)
     logits_scaling: float = 1.0  # logits divided by it (Granite)
+    logit_scale: float = 1.0  # logits multiplied by it (Cohere)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's (Qwen MoE; Mixtral's experts use intermediate_size)

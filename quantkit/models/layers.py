@@ -75,6 +75,16 @@ class Fp32RMSNorm(RMSNorm):
         return self(total), total
 
 
+class Fp32LayerNorm(Fp32RMSNorm):
+    """y = w * (x - mean(x)) / sqrt(var(x) + eps), no bias (Cohere's LayerNorm): in fp32, rounded once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 - x32.mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (self.weight_offset + self.weight.float())).to(x.dtype)
+
+
 class OffsetRMSNorm(Fp32RMSNorm):
     """y = (1 + w) * norm(x) (Gemma): the checkpoint stores w."""
 

@@ -88,13 +88,16 @@ class CausalLM(nn.Module):
     @property
     def plain_logits(self) -> bool:
         """Whether finish_logits is a float32 conversion alone."""
-        return self.config.logits_scaling == 1.0 and self.config.final_logit_softcapping is None
+        cfg = self.config
+        return cfg.logits_scaling == 1.0 and cfg.logit_scale == 1.0 and cfg.final_logit_softcapping is None
 
     def finish_logits(self, raw: torch.Tensor) -> torch.Tensor:
-        """lm_head's output [..., V] -> float32 logits: divided by logits_scaling in raw's dtype (Granite, rounded as
-        HF rounds it), then soft-capped where the config says (Gemma 2: cap * tanh(logits / cap), in fp32)."""
-        scaling, cap = self.config.logits_scaling, self.config.final_logit_softcapping
-        logits = (raw if scaling == 1.0 else raw / scaling).float()
+        """lm_head's output [..., V] -> float32 logits: divided by logits_scaling (Granite) or times logit_scale
+        (Cohere) in raw's dtype, rounded as HF rounds it, then soft-capped where the config says (Gemma 2:
+        cap * tanh(logits / cap), in fp32)."""
+        scaling, scale, cap = self.config.logits_scaling, self.config.logit_scale, self.config.final_logit_softcapping
+        raw = raw if scaling == 1.0 else raw / scaling
+        logits = (raw if scale == 1.0 else raw * scale).float()
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,

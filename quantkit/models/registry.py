@@ -138,6 +138,8 @@ REGISTRY: dict[str, ArchSpec] = {
     "granite": _LLAMA,  # its multipliers scale sublayer outputs, embeddings and logits, never a Linear's input
     "olmo2": _OLMO2,
     "olmo3": _OLMO2,
+    "cohere": _OLMO2,  # parallel block: input_layernorm feeds attention and MLP both, so only v -> o, up -> down scale
+    "cohere2": _OLMO2,
     "exaone4": _OLMO2,  # post-norm like OLMo 2; its per-head q/k norms are not Linears
     "helium": _LLAMA,  # its interleaved RoPE is a q/k row order fixed at load: GPTQ rows and AWQ scales ignore it
     "ernie4_5": _LLAMA,

@@ -148,7 +148,7 @@ def test_seed_oss_and_ministral_defaults_are_transformers():
         assert not ours.qkv_bias and not ours.o_bias
 
 
-@pytest.mark.parametrize("model_type", ["glm", "glm4", "ernie4_5", "helium", "exaone4"])
+@pytest.mark.parametrize("model_type", ["glm", "glm4", "ernie4_5", "helium", "exaone4", "cohere", "cohere2"])
 def test_fields_config_json_omits_default_as_transformers(model_type):
     """A config.json holding only the sizes: head_dim, RoPE base and rotated dims, norm epsilon, biases, tying, the
     sliding and NoPE layers read as transformers' config class and model fill them in."""
@@ -158,8 +158,10 @@ def test_fields_config_json_omits_default_as_transformers(model_type):
     layer = AutoModelForCausalLM.from_config(theirs).model.layers[0]
     rope = theirs.rope_parameters
     head_dim = getattr(theirs, "head_dim", 64 // 4)  # EXAONE 4's class has none: hidden / heads
+    eps = getattr(theirs, "rms_norm_eps", None) or theirs.layer_norm_eps  # Cohere's LayerNorm
     assert (ours.head_dim, ours.rope_theta, ours.rms_norm_eps, ours.tie_word_embeddings) == (
-        head_dim, rope["rope_theta"], theirs.rms_norm_eps, theirs.tie_word_embeddings)
+        head_dim, rope["rope_theta"], eps, theirs.tie_word_embeddings)
+    assert ours.logit_scale == getattr(theirs, "logit_scale", 1.0)
     assert ours.partial_rotary_factor == rope.get("partial_rotary_factor", 1.0)
     assert (ours.qkv_bias, ours.o_bias, ours.mlp_bias) == (layer.self_attn.q_proj.bias is not None,
                                                            layer.self_attn.o_proj.bias is not None,
@@ -167,7 +169,7 @@ def test_fields_config_json_omits_default_as_transformers(model_type):
     types = getattr(theirs, "layer_types", None) or ["full_attention"] * 4
     assert [ours.window(i) for i in range(4)] == [theirs.sliding_window if t == "sliding_attention" else None
                                                   for t in types]
-    nope = tuple(i for i, t in enumerate(types) if t == "full_attention") if model_type == "exaone4" else ()
+    nope = tuple(i for i, t in enumerate(types) if t == "full_attention") if model_type in ("exaone4", "cohere2") else ()
     assert ours.nope_layers == nope
 
 
@@ -210,8 +212,9 @@ def test_smollm3_nope_layers_windows_and_defaults_are_transformers(extra):
     (tiny_hf_config("smollm3", no_rope_layers=[1]), r"SmolLM3 \(smollm3\): no_rope_layers has 1 entries for 2"),
     (tiny_hf_config("granite", logits_scaling=0), r"Granite \(granite\): logits_scaling is 0"),
     (tiny_hf_config("qwen2_moe", num_experts=4, num_experts_per_tok=2), r"Qwen2-MoE \(qwen2_moe\) model has no 'moe_"),
+    (tiny_hf_config("cohere", use_qk_norm=True), r"Cohere \(cohere\): use_qk_norm \(per-head q/k LayerNorms"),
     (tiny_hf_config("gpt_neox"),
-     r"'gpt_neox' is not supported: quantkit runs ERNIE 4.5 \(ernie4_5\), .*Gemma \(gemma\), .*Llama \(llama\)"),
+     r"'gpt_neox' is not supported: quantkit runs Cohere \(cohere\), .*Gemma \(gemma\), .*Llama \(llama\)"),
 ])
 def test_configs_quantkit_cannot_run_are_refused_naming_the_family(hf, message):
     with pytest.raises(QuantkitError, match=message):
