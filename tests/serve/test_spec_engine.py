@@ -190,8 +190,8 @@ def bundled_w4_draft(bundled):
 @pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["w4-self-draft", "ngram"])
 def test_bundled_greedy_with_speculation_matches_without(bundled, bundled_w4_draft, shared_data, proposer):
-    """32 real chat prompts: one at a time and all at once in a pool small enough to preempt; every output equals
-    the engine's own output without speculation (or diverges only at a numerical tie)."""
+    """32 real chat prompts: every fourth one at a time, and all 32 at once in a pool small enough to preempt; every
+    output equals the engine's own output without speculation (or diverges only at a numerical tie)."""
     prompts = chat_prompts(shared_data, bundled.tokenizer, count=32)
     assert len(prompts) == 32
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
@@ -208,12 +208,12 @@ def test_bundled_greedy_with_speculation_matches_without(bundled, bundled_w4_dra
 
     refs = [o.outputs[0].token_ids for o in run_all(engine(32 * longest), prompts, params)]
     one = engine(2 * longest, **spec)
-    singles = [run_all(one, [p], params)[0] for p in prompts]
+    singles = [run_all(one, [p], params)[0] for p in prompts[::4]]  # batch 1: 8 prompts, 4 from each source
     crowded = engine(4 * longest, speculative_disable_by_batch_size=64, speculative_min_acceptance=0.0, **spec)
     together = run_all(crowded, prompts, params)
-    for outs in (singles, together):
-        ties = [assert_same_or_tie(o.outputs[0], ref) for o, ref in zip(outs, refs)]
-        assert ties.count(None) >= 30
+    for outs, expected in ((singles, refs[::4]), (together, refs)):
+        ties = [assert_same_or_tie(o.outputs[0], ref) for o, ref in zip(outs, expected, strict=True)]
+        assert ties.count(None) >= len(outs) - 2
     stats = crowded.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_used_blocks"] == 0
     assert one.stats()["spec_decode_num_accepted_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
