@@ -1,10 +1,12 @@
 """Vision-language checkpoints read as their text decoder, a model quantkit runs: quantkit serves text.
 
 WRAPPERS (config.json model_type -> transformers' <X>ForConditionalGeneration):
-  gemma3    Gemma 3 4B/12B/27B: SigLIP tower, gemma3_text decoder
-  mistral3  Mistral Small 3.1 / 3.2 24B: Pixtral tower, mistral decoder
-  llava     LLaVA 1.5 and its fine-tunes: CLIP tower, a llama / mistral / qwen2 / ... decoder
-They share one layout (transformers reads all three through its "llava" checkpoint conversion), so one path reads
+  gemma3      Gemma 3 4B/12B/27B: SigLIP tower, gemma3_text decoder
+  mistral3    Mistral Small 3.1 / 3.2 24B: Pixtral tower, mistral decoder
+  llava       LLaVA 1.5 and its fine-tunes: CLIP tower, a llama / mistral / qwen2 / ... decoder
+  aya_vision  Aya Vision 8B / 32B: SigLIP tower, cohere2 decoder
+  internvl    InternVL3 / 3.5 (the -hf checkpoints): InternViT tower, qwen2 / qwen3 / llama decoder
+They share one layout (transformers reads them all through its "llava" checkpoint conversion), so one path reads
 them; where they differ (text model type, its defaults, class names) transformers' config classes tell:
 config.json  {"model_type": <wrapper>, "text_config": {...}, "vision_config": {...}, top level: dtype, token ids, ...}
              -> the decoder's own config.json (what its ForCausalLM's save_pretrained writes): text_config's fields
@@ -33,7 +35,7 @@ from typing import Callable, Iterable, Optional
 
 from quantkit.errors import QuantkitError
 
-WRAPPERS = ("gemma3", "mistral3", "llava")
+WRAPPERS = ("gemma3", "mistral3", "llava", "aya_vision", "internvl")
 _INHERITED = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version")
 _DECODER = re.compile(r"^(?:language_model\.model|model\.language_model)\.")
 _LEFT_OUT = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector)\.")

@@ -1,5 +1,5 @@
-"""Mistral 3 (Mistral3ForConditionalGeneration) and LLaVA (LlavaForConditionalGeneration) checkpoints read as their
-text decoder (quantkit/models/multimodal.py), against transformers' own vision-language model on text input_ids:
+"""Mistral 3, LLaVA, Aya Vision and InternVL (their ForConditionalGeneration classes) checkpoints read as their text
+decoder (quantkit/models/multimodal.py), against transformers' own vision-language model on text input_ids:
 loading, calibration to a text-only checkpoint (whole and in bounded memory), and serving. Gemma 3, the third
 wrapper, is tests/quantkit/test_gemma3_multimodal.py (with this file's module_names and calibrated_text_only).
 
@@ -7,6 +7,8 @@ VARIANTS, families.py's mistral and llama text configs under tiny vision towers:
   mistral3      transformers 5's Mistral3Config: the wrapper ties lm_head to the embeddings, none is stored
   mistral3-hub  Mistral Small 3.1's form: its own lm_head stored, config.json naming no tie_word_embeddings
   llava         a llama decoder with its own lm_head, stored under transformers' module names (model.language_model.*)
+  aya_vision    a cohere2 decoder (parallel block, LayerNorm, RoPE pairs, NoPE full layers) under a SigLIP tower
+  internvl      a qwen2 decoder (q/k/v biases, a sliding layer), its tensors under transformers' module names
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config
+from transformers import AutoConfig, AyaVisionConfig, AyaVisionForConditionalGeneration, InternVLConfig
+from transformers import InternVLForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config
 from transformers import Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
@@ -36,9 +39,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 MISTRAL = {**BASE, **FAMILIES["mistral"][1], "model_type": "mistral"}  # sliding window 16
 LLAMA = {**BASE, **FAMILIES["llama"][1], "model_type": "llama"}
+COHERE2 = {**BASE, **FAMILIES["cohere2"][1], "model_type": "cohere2"}
+QWEN2 = {**BASE, **FAMILIES["qwen2"][1], "model_type": "qwen2"}
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
              patch_size=8)
 PIXTRAL, CLIP = {**TOWER, "head_dim": 16}, {**TOWER, "projection_dim": 32}
+SIGLIP = {**TOWER, "model_type": "siglip_vision_model"}
+INTERN_VIT = {**TOWER, "image_size": [32, 32], "patch_size": [8, 8], "model_type": "internvl_vision"}
 HUB_NAMES = ("language_model.model.", "language_model.lm_head.", "vision_tower.", "multi_modal_projector.")
 MODULE_NAMES = ("model.language_model.", "lm_head.", "model.vision_tower.", "model.multi_modal_projector.")
 
@@ -68,6 +75,11 @@ VARIANTS = {  # name -> (transformers' model, an edit of its save_pretrained fol
         "MistralForCausalLM"),
     "llava": (lambda: LlavaForConditionalGeneration(LlavaConfig(text_config=LLAMA, vision_config=CLIP)), module_names,
               "LlamaForCausalLM"),
+    "aya_vision": (lambda: AyaVisionForConditionalGeneration(AyaVisionConfig(text_config=COHERE2,
+                                                                             vision_config=SIGLIP)),
+                   None, "Cohere2ForCausalLM"),
+    "internvl": (lambda: InternVLForConditionalGeneration(InternVLConfig(text_config=QWEN2, vision_config=INTERN_VIT)),
+                 module_names, "Qwen2ForCausalLM"),
 }
 
 
