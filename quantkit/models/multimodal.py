@@ -6,8 +6,14 @@ WRAPPERS (config.json model_type -> transformers' <X>ForConditionalGeneration):
   llava       LLaVA 1.5 and its fine-tunes: CLIP tower, a llama / mistral / qwen2 / ... decoder
   aya_vision  Aya Vision 8B / 32B: SigLIP tower, cohere2 decoder
   internvl    InternVL3 / 3.5 (the -hf checkpoints): InternViT tower, qwen2 / qwen3 / llama decoder
-They share one layout (transformers reads them all through its "llava" checkpoint conversion), so one path reads
-them; where they differ (text model type, its defaults, class names) transformers' config classes tell:
+  qwen2_vl, qwen2_5_vl, qwen3_vl
+              Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense): a qwen2 / qwen2 / qwen3 decoder whose text type
+              (qwen2_5_vl_text, ...) transformers has no causal-LM class for (TEXT_AS). Its M-RoPE gives every token
+              three position streams; on text alone all three are the token's index, so it is the decoder's plain
+              RoPE (mrope_section and mrope_interleaved are dropped). The 4.x hub config.json is flat (the decoder's
+              fields at the top level beside vision_config): transformers' config class reads it into text_config.
+They share one layout (transformers reads the first five through its "llava" checkpoint conversion), so one path
+reads them; where they differ (text model type, its defaults, class names) transformers' config classes tell:
 config.json  {"model_type": <wrapper>, "text_config": {...}, "vision_config": {...}, top level: dtype, token ids, ...}
              -> the decoder's own config.json (what its ForCausalLM's save_pretrained writes): text_config's fields
              (none: the wrapper's default text_config, Mistral Small 3.1's for mistral3); where it lacks them, the
@@ -23,7 +29,8 @@ config.json  {"model_type": <wrapper>, "text_config": {...}, "vision_config": {.
 tensors      language_model.model.<x>  (the hub files; transformers 5.25 save_pretrained writes these too) -> model.<x>
              model.language_model.<x>  (transformers' module names since 4.52)                         -> model.<x>
              language_model.lm_head.<x>, lm_head.<x>                                                   -> lm_head.<x>
-             [model.]vision_tower.*, [model.]multi_modal_projector.*                                   -> not read
+             model.<x> (Qwen-VL's hub files: the decoder at the top, its tower beside)               -> model.<x>
+             [model.]vision_tower.*, [model.]multi_modal_projector.*, [model.]visual.*               -> not read
 (transformers' Gemma3ForConditionalGeneration skips text_config's final_logit_softcapping, which Gemma3ForCausalLM,
 vLLM and quantkit apply; no Gemma 3 release sets it.)
 """
@@ -35,10 +42,11 @@ from typing import Callable, Iterable, Optional
 
 from quantkit.errors import QuantkitError
 
-WRAPPERS = ("gemma3", "mistral3", "llava", "aya_vision", "internvl")
+WRAPPERS = ("gemma3", "mistral3", "llava", "aya_vision", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+TEXT_AS = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}  # module docstring
 _INHERITED = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version")
 _DECODER = re.compile(r"^(?:language_model\.model|model\.language_model)\.")
-_LEFT_OUT = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
+_LEFT_OUT = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector|visual)\.")
 
 
 def is_multimodal(hf: dict) -> bool:
@@ -63,8 +71,13 @@ def text_config(hf: dict, stored: Iterable[str]) -> dict:
         raise QuantkitError(f"config.json quantization_config: a quantized {wrapper_class(hf)} checkpoint is not "
                             "supported: calibrate its float original")
     spec = CONFIG_MAPPING[hf["model_type"]].sub_configs_defaults["text_config"]
-    given = spec.init_kwargs if hf.get("text_config") is None else hf["text_config"]  # as transformers builds it
+    given = hf.get("text_config")
+    if given is None:  # as transformers builds it: the wrapper's default, or a flat config's top-level fields
+        flat = "hidden_size" in hf
+        given = CONFIG_MAPPING[hf["model_type"]](**hf).text_config.to_dict() if flat else spec.init_kwargs
     model_type = given.get("model_type") or spec.model_type
+    if model_type in TEXT_AS:
+        given, model_type = without_mrope(given), TEXT_AS[model_type]
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise QuantkitError(f"config.json text_config.model_type {model_type!r}: not a text decoder transformers knows")
     base = PreTrainedConfig.default_config_fields()  # return_dict, ...: no field of the text model's
@@ -73,6 +86,17 @@ def text_config(hf: dict, stored: Iterable[str]) -> dict:
     return {**defaults, **inherited, **given, "model_type": model_type,
             "tie_word_embeddings": "lm_head.weight" not in {text_name(name) for name in stored},
             "architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]}
+
+
+def without_mrope(text: dict) -> dict:
+    """A Qwen-VL text config with its M-RoPE read as the plain RoPE it is on text alone (module docstring)."""
+    rope = {**(text.get("rope_parameters") or {}), **(text.get("rope_scaling") or {})}
+    kinds = {rope.pop("rope_type", None), rope.pop("type", None)} - {None, "default", "mrope"}  # 4.x: type mrope
+    if kinds:
+        raise QuantkitError(f"config.json text_config: M-RoPE over {kinds.pop()!r} RoPE is not supported")
+    rope = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+    plain = {k: v for k, v in text.items() if k != "rope_scaling"}
+    return {**plain, "rope_parameters": {**rope, "rope_type": "default"}}
 
 
 def text_name(name: str) -> Optional[str]:

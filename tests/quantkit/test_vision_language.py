@@ -9,6 +9,9 @@ VARIANTS, families.py's mistral and llama text configs under tiny vision towers:
   llava         a llama decoder with its own lm_head, stored under transformers' module names (model.language_model.*)
   aya_vision    a cohere2 decoder (parallel block, LayerNorm, RoPE pairs, NoPE full layers) under a SigLIP tower
   internvl      a qwen2 decoder (q/k/v biases, a sliding layer), its tensors under transformers' module names
+  qwen2_5_vl    Qwen2.5-VL's M-RoPE qwen2 decoder as transformers 5 saves it (the hub's tensor names: model.*, visual.*)
+  qwen2_5_vl-4x the same with the hub's flat 4.x config.json (decoder fields at the top, rope_scaling type mrope)
+  qwen3_vl      Qwen3-VL's qwen3 decoder (q/k norms, interleaved M-RoPE sections), under model.language_model.*
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AyaVisionConfig, AyaVisionForConditionalGeneration, InternVLConfig
 from transformers import InternVLForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config
-from transformers import Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
+from transformers import Mistral3ForConditionalGeneration, PreTrainedTokenizerFast, Qwen2_5_VLConfig
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from typer.testing import CliRunner
 
 from quantkit.cli import _typer_app
@@ -30,7 +34,7 @@ from quantkit.errors import QuantkitError
 from quantkit.files import read_safetensors
 from quantkit.models.config import ModelConfig
 from quantkit.models.loader import load_model, tensor_names_of
-from quantkit.models.multimodal import text_config
+from quantkit.models.multimodal import TEXT_AS, text_config
 from quantkit.quant.calibrate import calibrate
 from tests.quantkit.families import BASE, FAMILIES
 from tests.serve.test_families_serving import GREEDY, PROMPTS, dense_greedy, served, tokens
@@ -45,6 +49,13 @@ TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atte
              patch_size=8)
 PIXTRAL, CLIP = {**TOWER, "head_dim": 16}, {**TOWER, "projection_dim": 32}
 SIGLIP = {**TOWER, "model_type": "siglip_vision_model"}
+QWEN_TOWER = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1)
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # 8 frequencies of a 16-dim head
+QWEN25_VL = {**QWEN2, "model_type": "qwen2_5_vl_text", "rope_parameters": MROPE}
+QWEN3_VL = {**BASE, "head_dim": 16, "model_type": "qwen3_vl_text",
+            "rope_parameters": {**MROPE, "mrope_interleaved": True}}
+QWEN3_TOWER = {**QWEN_TOWER, "deepstack_visual_indexes": [0], "num_position_embeddings": 16}
 INTERN_VIT = {**TOWER, "image_size": [32, 32], "patch_size": [8, 8], "model_type": "internvl_vision"}
 HUB_NAMES = ("language_model.model.", "language_model.lm_head.", "vision_tower.", "multi_modal_projector.")
 MODULE_NAMES = ("model.language_model.", "lm_head.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -67,6 +78,18 @@ def module_names(folder: Path) -> None:
     save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
 
 
+def flat_form(folder: Path) -> None:
+    """config.json as Qwen2.5-VL's hub files (transformers 4.x): the decoder's fields at the top level, M-RoPE as
+    rope_theta and rope_scaling {"type": "mrope", "mrope_section"}."""
+    config = json.loads((folder / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    config.update({k: v for k, v in text.items() if v is not None and k not in ("model_type", "architectures")})
+    config.update(rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]},
+                  torch_dtype="float32")  # 4.x names the dtype at the top
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 VARIANTS = {  # name -> (transformers' model, an edit of its save_pretrained folder, the text model's class)
     "mistral3": (lambda: Mistral3ForConditionalGeneration(Mistral3Config(text_config=MISTRAL, vision_config=PIXTRAL)),
                  None, "MistralForCausalLM"),
@@ -80,7 +103,20 @@ VARIANTS = {  # name -> (transformers' model, an edit of its save_pretrained fol
                    None, "Cohere2ForCausalLM"),
     "internvl": (lambda: InternVLForConditionalGeneration(InternVLConfig(text_config=QWEN2, vision_config=INTERN_VIT)),
                  module_names, "Qwen2ForCausalLM"),
+    "qwen2_5_vl": (lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=QWEN25_VL,
+                                                                               vision_config=QWEN_TOWER)),
+                   None, "Qwen2ForCausalLM"),
+    "qwen2_5_vl-4x": (lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=QWEN25_VL,
+                                                                                  vision_config=QWEN_TOWER)),
+                      flat_form, "Qwen2ForCausalLM"),
+    "qwen3_vl": (lambda: Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=QWEN3_VL, vision_config=QWEN3_TOWER)),
+                 None, "Qwen3ForCausalLM"),
 }
+
+
+def text_type(hf) -> str:
+    """The model_type quantkit reads the decoder of transformers' vision-language model `hf` as."""
+    return TEXT_AS.get(hf.config.text_config.model_type, hf.config.text_config.model_type)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -113,7 +149,7 @@ def ids(length: int) -> torch.Tensor:
 def test_loads_as_the_text_decoder_with_transformers_logits(saved):
     name, hf, folder = saved
     loaded = load_model(str(folder))
-    assert loaded.hf_config["model_type"] == hf.config.text_config.model_type
+    assert loaded.hf_config["model_type"] == text_type(hf)
     assert loaded.hf_config["architectures"] == [VARIANTS[name][2]]
     assert loaded.model.config.tie_word_embeddings == tied(hf)
     read = read_safetensors(folder, tensor_names_of(folder))  # the vision tower and projector are never read
@@ -167,6 +203,31 @@ def test_a_hub_text_config_takes_transformers_defaults_and_the_wrappers_fields(h
     assert text.get("torch_dtype") == hub.get("torch_dtype") and "vision_config" not in text
 
 
+QWEN25_VL_3B = {  # Qwen/Qwen2.5-VL-3B-Instruct's config.json (flat, 4.x), its vision_config cut to a few fields
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 2048, "image_token_id": 151655,
+    "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 128000, "max_window_layers": 70,
+    "model_type": "qwen2_5_vl", "num_attention_heads": 16, "num_hidden_layers": 36, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": True, "use_sliding_window": False,
+    "vision_config": {"depth": 32, "hidden_size": 1280, "out_hidden_size": 2048, "fullatt_block_indexes": [7, 15]},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936,
+}
+
+
+def test_qwen25_vl_hub_config_reads_as_its_qwen2_decoder_on_plain_rope():
+    """The flat 4.x config.json: the decoder's fields as transformers' config class reads them, M-RoPE as the plain
+    RoPE it is on text, tied (no lm_head stored), the checkpoint's dtype and token ids."""
+    text = text_config(QWEN25_VL_3B, ["model.embed_tokens.weight", "visual.merger.mlp.0.weight"])
+    ours, theirs = ModelConfig.from_hf(text), Qwen2_5_VLConfig(**QWEN25_VL_3B).text_config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "max_position_embeddings", "rms_norm_eps"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert (ours.head_dim, ours.sliding_window, ours.qkv_bias, ours.o_bias) == (128, None, True, False)
+    assert ours.rope() == (1e6, None) and ours.tie_word_embeddings and text["architectures"] == ["Qwen2ForCausalLM"]
+    assert (text["torch_dtype"], text["eos_token_id"]) == ("bfloat16", 151645) and "vision_config" not in text
+
+
 def test_a_text_decoder_transformers_does_not_know_is_refused():
     with pytest.raises(QuantkitError, match=r"config.json text_config.model_type 'vicuna'"):
         text_config({**LLAVA_15, "text_config": {"model_type": "vicuna"}}, ())
@@ -209,7 +270,7 @@ def test_rtn_calibration_writes_a_text_only_checkpoint(saved, tmp_path):
     out = calibrated_text_only(folder, tmp_path, type(hf).__name__, VARIANTS[name][2])
     assert ("lm_head.weight" in load_file(out / "model.safetensors")) != tied(hf)
     text = AutoConfig.from_pretrained(out)
-    assert type(text) is type(hf.config.text_config) and text.tie_word_embeddings == tied(hf)
+    assert text.model_type == text_type(hf) and text.tie_word_embeddings == tied(hf)
     for field in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size"):
         assert getattr(text, field) == getattr(hf.config.text_config, field), field
 
