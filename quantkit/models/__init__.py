@@ -19,6 +19,7 @@ from quantkit.models.granite import GRANITE  # noqa: F401
 from quantkit.models.helium import HELIUM  # noqa: F401
 from quantkit.models.llama import LLAMA  # noqa: F401
 from quantkit.models.ministral import MINISTRAL  # noqa: F401
+from quantkit.models.ministral3 import MINISTRAL3  # noqa: F401
 from quantkit.models.mistral import MISTRAL  # noqa: F401
 from quantkit.models.mixtral import MIXTRAL  # noqa: F401
 from quantkit.models.model import CausalLM  # noqa: F401

@@ -92,6 +92,7 @@ class Attention(nn.Module):
         self.k_proj = linear_cls(h, kvd, bias=cfg.qkv_bias)
         self.v_proj = linear_cls(h, kvd, bias=cfg.qkv_bias)
         self.o_proj = linear_cls(qd, h, bias=cfg.o_bias)
+        self.query_scale = cfg.query_scale  # (beta, length) or None
         self.q_norm = self.k_norm = None
         if qk_norm is not None:
             self.q_norm = qk_norm(qd if qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
@@ -109,6 +110,8 @@ class Attention(nn.Module):
         v = v.view(*lead, self.n_kv, self.head_dim)
         if rotary is not None:  # None: a NoPE layer (SmolLM3), q and k unrotated
             q, k = self.ops.rope(q, k, positions, rotary)
+        if self.query_scale is not None:
+            q = q * position_scale(positions, *self.query_scale).to(q.dtype)[..., None, None]
         if attn is None:  # dense: [B, L, H, D] -> [B, H, L, D]
             out = dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.spec).transpose(1, 2)
         else:
@@ -119,6 +122,12 @@ class Attention(nn.Module):
         """x [*lead, H] -> q [*lead, Hq * D], k, v [*lead, Hkv * D] (a serving runner may override it with one
         fused GEMM: serve/prepare.py)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+def position_scale(positions: torch.Tensor, beta: float, length: int) -> torch.Tensor:
+    """Ministral 3's query scale at `positions` (int, any shape): 1 + beta * ln(1 + floor(position / length)) in
+    fp32, as transformers computes it; exactly 1 below `length`."""
+    return 1 + beta * torch.log(1 + torch.floor(positions / length))
 
 
 def kernel_servable(spec: AttentionSpec) -> bool:

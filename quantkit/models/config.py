@@ -32,6 +32,9 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None  # {"rope_type": one of ROPE_TYPES (layers.py), ...}; None = default
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim dims of each head, the rest pass (Phi-4-mini)
     nope_layers: tuple[int, ...] = ()  # layers whose attention skips RoPE (SmolLM3's NoPE layers)
+    # q times 1 + beta * ln(1 + floor(position / length)) after RoPE: rope_parameters' llama_4_scaling_beta and
+    # original_max_position_embeddings (Ministral 3); None: no such scale (1 below `length` in any case)
+    query_scale: Optional[tuple[float, int]] = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     model_type: str = "llama"
@@ -81,6 +84,7 @@ class ModelConfig:
         heads = need(hf, "num_attention_heads", where)
         rope = rope_parameters(hf)
         partial = float(rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
+        query_scale = position_query_scale(rope, where)
         theta, scaling = parse_rope(rope, hf, where)
         attention_bias = bool(hf.get("attention_bias", False))
         fields = dict(
@@ -95,6 +99,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             partial_rotary_factor=partial,
+            query_scale=query_scale,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", family.tied),
             model_type=model_type,
@@ -134,6 +139,18 @@ def rope_parameters(hf: dict) -> dict:
     return {**(hf.get("rope_parameters") or {}), **scaling}
 
 
+def position_query_scale(rope: dict, where: str) -> Optional[tuple[float, int]]:
+    """(beta, length) of a RoPE dict's llama_4_scaling_beta (ModelConfig.query_scale), None without one."""
+    beta = rope.get("llama_4_scaling_beta")
+    if beta is None:
+        return None
+    length = rope.get("original_max_position_embeddings")
+    if not length:
+        raise QuantkitError(f"{where}: rope_parameters.llama_4_scaling_beta needs original_max_position_embeddings "
+                            f"(the length past which queries are scaled) in rope_parameters")
+    return float(beta), int(length)
+
+
 def parse_rope(rope: dict, hf: dict, where: str, default_theta: float = 10000.0) -> tuple[float, Optional[dict]]:
     """One RoPE dict -> (theta, scaling or None for the default rope). The scaled types get their pretraining length
     and factor filled in as transformers derives them: original_max_position_embeddings from the config's top level
@@ -141,6 +158,7 @@ def parse_rope(rope: dict, hf: dict, where: str, default_theta: float = 10000.0)
     max_position_embeddings over that length."""
     theta = float(rope.pop("rope_theta", None) or hf.get("rope_theta") or default_theta)
     rope.pop("partial_rotary_factor", None)  # ModelConfig.partial_rotary_factor
+    rope.pop("llama_4_scaling_beta", None)  # ModelConfig.query_scale
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     kind = "longrope" if kind == "su" else kind
     if kind == "default":

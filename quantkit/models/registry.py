@@ -134,6 +134,7 @@ REGISTRY: dict[str, ArchSpec] = {
     "gemma": _LLAMA,  # pre-norm: its (1 + w) norms fold like Gemma 2's (quant/awq.py, weight_offset)
     "mistral": _LLAMA,
     "ministral": _LLAMA,
+    "ministral3": _LLAMA,  # its query scale acts after RoPE, on no Linear's input
     "seed_oss": _LLAMA,  # its o_proj bias (attention_out_bias) is folded like any Linear's bias
     "granite": _LLAMA,  # its multipliers scale sublayer outputs, embeddings and logits, never a Linear's input
     "olmo2": _OLMO2,

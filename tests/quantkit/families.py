@@ -27,6 +27,9 @@ FAMILIES = {
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
     "ministral": ("ministral", dict(num_hidden_layers=3, head_dim=16, sliding_window=WINDOW,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "ministral3": ("ministral3", dict(head_dim=16, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+        mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5))),  # queries at 16 and past scaled by 1 + 0.5 ln 2
     "seed_oss": ("seed_oss", dict(head_dim=16, attention_bias=True, attention_out_bias=True)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # layer 1 slides
     "qwen3": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),

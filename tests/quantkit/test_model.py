@@ -148,7 +148,8 @@ def test_seed_oss_and_ministral_defaults_are_transformers():
         assert not ours.qkv_bias and not ours.o_bias
 
 
-@pytest.mark.parametrize("model_type", ["glm", "glm4", "ernie4_5", "helium", "exaone4", "cohere", "cohere2"])
+@pytest.mark.parametrize("model_type", ["glm", "glm4", "ernie4_5", "helium", "exaone4", "cohere", "cohere2",
+                                        "ministral3"])
 def test_fields_config_json_omits_default_as_transformers(model_type):
     """A config.json holding only the sizes: head_dim, RoPE base and rotated dims, norm epsilon, biases, tying, the
     sliding and NoPE layers read as transformers' config class and model fill them in."""
@@ -162,6 +163,9 @@ def test_fields_config_json_omits_default_as_transformers(model_type):
     assert (ours.head_dim, ours.rope_theta, ours.rms_norm_eps, ours.tie_word_embeddings) == (
         head_dim, rope["rope_theta"], eps, theirs.tie_word_embeddings)
     assert ours.logit_scale == getattr(theirs, "logit_scale", 1.0)
+    beta = rope.get("llama_4_scaling_beta")  # Ministral 3's query scale
+    assert ours.query_scale == (None if beta is None else (beta, rope["original_max_position_embeddings"]))
+    assert (ours.rope_scaling or {}).get("factor") == rope.get("factor")
     assert ours.partial_rotary_factor == rope.get("partial_rotary_factor", 1.0)
     assert (ours.qkv_bias, ours.o_bias, ours.mlp_bias) == (layer.self_attn.q_proj.bias is not None,
                                                            layer.self_attn.o_proj.bias is not None,

@@ -7,6 +7,7 @@ VARIANTS, families.py's mistral and llama text configs under tiny vision towers:
   mistral3      transformers 5's Mistral3Config: the wrapper ties lm_head to the embeddings, none is stored
   mistral3-hub  Mistral Small 3.1's form: its own lm_head stored, config.json naming no tie_word_embeddings
   llava         a llama decoder with its own lm_head, stored under transformers' module names (model.language_model.*)
+  ministral3    Ministral 3's form: a ministral3 decoder (YaRN, queries past 16 positions scaled) in mistral3
   aya_vision    a cohere2 decoder (parallel block, LayerNorm, RoPE pairs, NoPE full layers) under a SigLIP tower
   internvl      a qwen2 decoder (q/k/v biases, a sliding layer), its tensors under transformers' module names
   qwen2_5_vl    Qwen2.5-VL's M-RoPE qwen2 decoder as transformers 5 saves it (the hub's tensor names: model.*, visual.*)
@@ -44,6 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 MISTRAL = {**BASE, **FAMILIES["mistral"][1], "model_type": "mistral"}  # sliding window 16
 LLAMA = {**BASE, **FAMILIES["llama"][1], "model_type": "llama"}
 COHERE2 = {**BASE, **FAMILIES["cohere2"][1], "model_type": "cohere2"}
+MINISTRAL3 = {**BASE, **FAMILIES["ministral3"][1], "model_type": "ministral3"}
 QWEN2 = {**BASE, **FAMILIES["qwen2"][1], "model_type": "qwen2"}
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
              patch_size=8)
@@ -98,6 +100,9 @@ VARIANTS = {  # name -> (transformers' model, an edit of its save_pretrained fol
         "MistralForCausalLM"),
     "llava": (lambda: LlavaForConditionalGeneration(LlavaConfig(text_config=LLAMA, vision_config=CLIP)), module_names,
               "LlamaForCausalLM"),
+    "ministral3": (lambda: Mistral3ForConditionalGeneration(Mistral3Config(text_config=MINISTRAL3,
+                                                                           vision_config=PIXTRAL)),
+                   None, "Ministral3ForCausalLM"),
     "aya_vision": (lambda: AyaVisionForConditionalGeneration(AyaVisionConfig(text_config=COHERE2,
                                                                              vision_config=SIGLIP)),
                    None, "Cohere2ForCausalLM"),
