@@ -52,9 +52,11 @@ class QuantScheme:
         if self.group_size == -1:
             return 1
         if in_features % self.group_size != 0:
+            fits = [str(g) for g in (128, 64, 32, 16, 8) if in_features % g == 0][:2]
+            hint = f"e.g. {' or '.join(fits)}" if fits else "no multiple of 8 does"
             raise QuantkitError(
                 f"group_size={self.group_size} does not divide in_features={in_features} of layer {layer or '?'}: "
-                f"choose a group size that divides {in_features} (e.g. 32 or 64) or -1 for per-channel"
+                f"choose a group size that divides {in_features} ({hint}) or -1 for per-channel"
             )
         return in_features // self.group_size
 

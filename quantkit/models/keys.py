@@ -5,7 +5,8 @@ per expert), so fused checkpoint tensors are split at load:
   Phi-3            <p>.self_attn.qkv_proj.weight [Hq*D + 2*Hkv*D, H] -> q_proj | k_proj | v_proj (rows in that order)
                    <p>.mlp.gate_up_proj.weight   [2I, H]             -> gate_proj | up_proj
   MoE (transformers 5's in-memory layout, `model.state_dict()` of its MoE models; save_pretrained writes the
-  per-expert hub names, which need nothing):
+  per-expert hub names, which need nothing; Qwen3-VL-MoE's hub files hold both transposed, [E, H, 2I] and
+  [E, I, H], told apart by which dim is hidden_size):
                    <p>.mlp.experts.gate_up_proj  [E, 2I, H] -> <moe>.experts.{e}.<gate> | <up>   (rows [:I] | [I:])
                    <p>.mlp.experts.down_proj     [E, H, I]  -> <moe>.experts.{e}.<down>
                    <p>.mlp.gate.weight                      -> <moe>.gate.weight (Mixtral's moe is block_sparse_moe)
@@ -41,7 +42,8 @@ _FUSED_EXPERTS = re.compile(
     r"^(?P<layer>.*\.layers\.\d+)\.mlp\.(?P<what>experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
 
 
-def split_experts(state: dict[str, torch.Tensor], moe: str, gate: str, up: str, down: str) -> dict[str, torch.Tensor]:
+def split_experts(state: dict[str, torch.Tensor], cfg, moe: str, gate: str, up: str, down: str
+                  ) -> dict[str, torch.Tensor]:
     """transformers 5's fused 3-d experts (module docstring) -> per-expert `<layer>.<moe>.experts.{e}.<name>`."""
     out = {}
     for key, t in state.items():
@@ -52,13 +54,24 @@ def split_experts(state: dict[str, torch.Tensor], moe: str, gate: str, up: str, 
         base = f"{m['layer']}.{moe}"
         if m["what"] == "gate.weight":
             out[f"{base}.gate.weight"] = t
-        elif m["what"] == "experts.down_proj":
+            continue
+        t = _experts_out_by_in(t, cfg.hidden_size, hidden_in=m["what"] == "experts.gate_up_proj")
+        if m["what"] == "experts.down_proj":
             out.update({f"{base}.experts.{e}.{down}.weight": w for e, w in enumerate(t)})
         else:
             half = t.shape[1] // 2
             for e, w in enumerate(t):
                 out[f"{base}.experts.{e}.{gate}.weight"], out[f"{base}.experts.{e}.{up}.weight"] = w[:half], w[half:]
     return out
+
+
+def _experts_out_by_in(t: torch.Tensor, hidden: int, hidden_in: bool) -> torch.Tensor:
+    """A 3-d experts tensor as [E, out, in] (hidden_size the in dim of gate_up_proj, the out dim of down_proj),
+    transposed where stored the other way round. Square [E, n, n] is taken as stored [E, out, in] (transformers 5's
+    layout; Qwen3-VL-MoE's transposed hub files are never square: 2I and I differ from hidden_size)."""
+    out_dim, in_dim = t.shape[1:]
+    stored_out_by_in = in_dim == hidden if hidden_in else out_dim == hidden
+    return t if stored_out_by_in else t.transpose(1, 2)
 
 
 _ROTATED = re.compile(r"\.self_attn\.(?P<proj>[qk])_proj\.(weight|bias)$")

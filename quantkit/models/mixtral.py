@@ -40,7 +40,7 @@ def moe(cfg, linear_cls) -> MoE:
 
 
 def split(state: dict, cfg) -> dict:
-    return split_experts(state, "block_sparse_moe", "w1", "w3", "w2")
+    return split_experts(state, cfg, "block_sparse_moe", "w1", "w3", "w2")
 
 
 MIXTRAL = register(Family("Mixtral", ("mixtral",), parse=parse, moe=moe, ffn_name="block_sparse_moe", split=split))

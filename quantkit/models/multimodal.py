@@ -6,8 +6,8 @@ WRAPPERS (config.json model_type -> transformers' <X>ForConditionalGeneration):
   llava       LLaVA 1.5 and its fine-tunes: CLIP tower, a llama / mistral / qwen2 / ... decoder
   aya_vision  Aya Vision 8B / 32B: SigLIP tower, cohere2 decoder
   internvl    InternVL3 / 3.5 (the -hf checkpoints): InternViT tower, qwen2 / qwen3 / llama decoder
-  qwen2_vl, qwen2_5_vl, qwen3_vl
-              Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense): a qwen2 / qwen2 / qwen3 decoder whose text type
+  qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe
+              Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE: a qwen2 / qwen2 / qwen3 / qwen3_moe decoder whose text type
               (qwen2_5_vl_text, ...) transformers has no causal-LM class for (TEXT_AS). Its M-RoPE gives every token
               three position streams; on text alone all three are the token's index, so it is the decoder's plain
               RoPE (mrope_section and mrope_interleaved are dropped). The 4.x hub config.json is flat (the decoder's
@@ -42,8 +42,11 @@ from typing import Callable, Iterable, Optional
 
 from quantkit.errors import QuantkitError
 
-WRAPPERS = ("gemma3", "mistral3", "llava", "aya_vision", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-TEXT_AS = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}  # module docstring
+WRAPPERS = ("gemma3", "mistral3", "llava", "aya_vision", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+            "qwen3_vl_moe")
+# text type -> (the decoder quantkit runs it as, fields that decoder must be told); module docstring
+TEXT_AS = {"qwen2_vl_text": ("qwen2", {}), "qwen2_5_vl_text": ("qwen2", {}), "qwen3_vl_text": ("qwen3", {}),
+           "qwen3_vl_moe_text": ("qwen3_moe", {"norm_topk_prob": True})}  # its router always renormalises the top k
 _INHERITED = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version")
 _DECODER = re.compile(r"^(?:language_model\.model|model\.language_model)\.")
 _LEFT_OUT = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector|visual)\.")
@@ -76,14 +79,18 @@ def text_config(hf: dict, stored: Iterable[str]) -> dict:
         flat = "hidden_size" in hf
         given = CONFIG_MAPPING[hf["model_type"]](**hf).text_config.to_dict() if flat else spec.init_kwargs
     model_type = given.get("model_type") or spec.model_type
-    if model_type in TEXT_AS:
-        given, model_type = without_mrope(given), TEXT_AS[model_type]
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise QuantkitError(f"config.json text_config.model_type {model_type!r}: not a text decoder transformers knows")
-    base = PreTrainedConfig.default_config_fields()  # return_dict, ...: no field of the text model's
-    defaults = {k: v for k, v in CONFIG_MAPPING[model_type].default_config_fields().items() if k not in base}
     inherited = {k: hf[k] for k in _INHERITED if hf.get(k) is not None}
-    return {**defaults, **inherited, **given, "model_type": model_type,
+    if model_type in TEXT_AS:  # its fields and defaults as its own config class reads them, then the decoder it is
+        read = CONFIG_MAPPING[model_type](**given).to_dict()
+        model_type, fixed = TEXT_AS[model_type]
+        text = {**without_mrope(read), **fixed, **{k: v for k, v in inherited.items() if read.get(k) is None}}
+    elif model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        base = PreTrainedConfig.default_config_fields()  # return_dict, ...: no field of the text model's
+        defaults = {k: v for k, v in CONFIG_MAPPING[model_type].default_config_fields().items() if k not in base}
+        text = {**defaults, **inherited, **given}
+    else:
+        raise QuantkitError(f"config.json text_config.model_type {model_type!r}: not a text decoder transformers knows")
+    return {**text, "model_type": model_type,
             "tie_word_embeddings": "lm_head.weight" not in {text_name(name) for name in stored},
             "architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]}
 

@@ -30,7 +30,7 @@ def qwen_experts(cfg, linear_cls) -> list[nn.Module]:
 
 
 def split(state: dict, cfg) -> dict:
-    return split_experts(state, "mlp", "gate_proj", "up_proj", "down_proj")
+    return split_experts(state, cfg, "mlp", "gate_proj", "up_proj", "down_proj")
 
 
 class SharedExpertMoE(MoE):

@@ -290,7 +290,7 @@ def test_a_group_size_that_does_not_divide_an_experts_width_is_refused_before_lo
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines() == [
         "error: group_size=64 does not divide in_features=32 of layer model.layers.N.mlp.experts.E.down_proj "
-        "(config.json moe_intermediate_size): choose a group size that divides 32 (e.g. 32 or 64) or -1 for "
+        "(config.json moe_intermediate_size): choose a group size that divides 32 (e.g. 32 or 16) or -1 for "
         "per-channel"]
     assert not (tmp_path / "x").exists()
 

@@ -13,6 +13,8 @@ VARIANTS, families.py's mistral and llama text configs under tiny vision towers:
   qwen2_5_vl    Qwen2.5-VL's M-RoPE qwen2 decoder as transformers 5 saves it (the hub's tensor names: model.*, visual.*)
   qwen2_5_vl-4x the same with the hub's flat 4.x config.json (decoder fields at the top, rope_scaling type mrope)
   qwen3_vl      Qwen3-VL's qwen3 decoder (q/k norms, interleaved M-RoPE sections), under model.language_model.*
+  qwen3_vl_moe  Qwen3-VL-MoE's qwen3_moe decoder (router always renormalised), experts fused as transformers 5 saves
+  qwen3_vl_moe-hub  the same with the hub files' transposed experts ([E, H, 2I] and [E, I, H])
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from transformers import AutoConfig, AyaVisionConfig, AyaVisionForConditionalGen
 from transformers import InternVLForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config
 from transformers import Mistral3ForConditionalGeneration, PreTrainedTokenizerFast, Qwen2_5_VLConfig
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from typer.testing import CliRunner
 
 from quantkit.cli import _typer_app
@@ -58,6 +61,8 @@ QWEN25_VL = {**QWEN2, "model_type": "qwen2_5_vl_text", "rope_parameters": MROPE}
 QWEN3_VL = {**BASE, "head_dim": 16, "model_type": "qwen3_vl_text",
             "rope_parameters": {**MROPE, "mrope_interleaved": True}}
 QWEN3_TOWER = {**QWEN_TOWER, "deepstack_visual_indexes": [0], "num_position_embeddings": 16}
+QWEN3_VL_MOE = {**QWEN3_VL, "model_type": "qwen3_vl_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 96}  # 2I, I and H all differ: the experts' orientation shows
 INTERN_VIT = {**TOWER, "image_size": [32, 32], "patch_size": [8, 8], "model_type": "internvl_vision"}
 HUB_NAMES = ("language_model.model.", "language_model.lm_head.", "vision_tower.", "multi_modal_projector.")
 MODULE_NAMES = ("model.language_model.", "lm_head.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -80,6 +85,13 @@ def module_names(folder: Path) -> None:
     save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
 
 
+def transposed_experts(folder: Path) -> None:
+    """The fused experts as Qwen3-VL-MoE's hub files store them: gate_up_proj [E, H, 2I], down_proj [E, I, H]."""
+    stored = load_file(folder / "model.safetensors")
+    save_file({n: t.transpose(1, 2).contiguous() if ".mlp.experts." in n else t for n, t in stored.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+
+
 def flat_form(folder: Path) -> None:
     """config.json as Qwen2.5-VL's hub files (transformers 4.x): the decoder's fields at the top level, M-RoPE as
     rope_theta and rope_scaling {"type": "mrope", "mrope_section"}."""
@@ -92,36 +104,35 @@ def flat_form(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def vl(model_cls, config_cls, text: dict, tower: dict, **extra):
+    """-> a builder of transformers' vision-language `model_cls` over the `text` and `tower` configs."""
+    return lambda: model_cls(config_cls(text_config=text, vision_config=tower, **extra))
+
+
+QWEN25_VL_MODEL = vl(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, QWEN25_VL, QWEN_TOWER)
+QWEN3_VL_MOE_MODEL = vl(Qwen3VLMoeForConditionalGeneration, Qwen3VLMoeConfig, QWEN3_VL_MOE, QWEN3_TOWER)
 VARIANTS = {  # name -> (transformers' model, an edit of its save_pretrained folder, the text model's class)
-    "mistral3": (lambda: Mistral3ForConditionalGeneration(Mistral3Config(text_config=MISTRAL, vision_config=PIXTRAL)),
-                 None, "MistralForCausalLM"),
-    "mistral3-hub": (lambda: Mistral3ForConditionalGeneration(
-        Mistral3Config(text_config=MISTRAL, vision_config=PIXTRAL, tie_word_embeddings=False)), hub_form,
-        "MistralForCausalLM"),
-    "llava": (lambda: LlavaForConditionalGeneration(LlavaConfig(text_config=LLAMA, vision_config=CLIP)), module_names,
-              "LlamaForCausalLM"),
-    "ministral3": (lambda: Mistral3ForConditionalGeneration(Mistral3Config(text_config=MINISTRAL3,
-                                                                           vision_config=PIXTRAL)),
-                   None, "Ministral3ForCausalLM"),
-    "aya_vision": (lambda: AyaVisionForConditionalGeneration(AyaVisionConfig(text_config=COHERE2,
-                                                                             vision_config=SIGLIP)),
-                   None, "Cohere2ForCausalLM"),
-    "internvl": (lambda: InternVLForConditionalGeneration(InternVLConfig(text_config=QWEN2, vision_config=INTERN_VIT)),
-                 module_names, "Qwen2ForCausalLM"),
-    "qwen2_5_vl": (lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=QWEN25_VL,
-                                                                               vision_config=QWEN_TOWER)),
-                   None, "Qwen2ForCausalLM"),
-    "qwen2_5_vl-4x": (lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=QWEN25_VL,
-                                                                                  vision_config=QWEN_TOWER)),
-                      flat_form, "Qwen2ForCausalLM"),
-    "qwen3_vl": (lambda: Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=QWEN3_VL, vision_config=QWEN3_TOWER)),
-                 None, "Qwen3ForCausalLM"),
+    "mistral3": (vl(Mistral3ForConditionalGeneration, Mistral3Config, MISTRAL, PIXTRAL), None, "MistralForCausalLM"),
+    "mistral3-hub": (vl(Mistral3ForConditionalGeneration, Mistral3Config, MISTRAL, PIXTRAL, tie_word_embeddings=False),
+                     hub_form, "MistralForCausalLM"),
+    "llava": (vl(LlavaForConditionalGeneration, LlavaConfig, LLAMA, CLIP), module_names, "LlamaForCausalLM"),
+    "ministral3": (vl(Mistral3ForConditionalGeneration, Mistral3Config, MINISTRAL3, PIXTRAL), None,
+                   "Ministral3ForCausalLM"),
+    "aya_vision": (vl(AyaVisionForConditionalGeneration, AyaVisionConfig, COHERE2, SIGLIP), None, "Cohere2ForCausalLM"),
+    "internvl": (vl(InternVLForConditionalGeneration, InternVLConfig, QWEN2, INTERN_VIT), module_names,
+                 "Qwen2ForCausalLM"),
+    "qwen2_5_vl": (QWEN25_VL_MODEL, None, "Qwen2ForCausalLM"),
+    "qwen2_5_vl-4x": (QWEN25_VL_MODEL, flat_form, "Qwen2ForCausalLM"),
+    "qwen3_vl": (vl(Qwen3VLForConditionalGeneration, Qwen3VLConfig, QWEN3_VL, QWEN3_TOWER), None, "Qwen3ForCausalLM"),
+    "qwen3_vl_moe": (QWEN3_VL_MOE_MODEL, None, "Qwen3MoeForCausalLM"),
+    "qwen3_vl_moe-hub": (QWEN3_VL_MOE_MODEL, transposed_experts, "Qwen3MoeForCausalLM"),
 }
 
 
 def text_type(hf) -> str:
     """The model_type quantkit reads the decoder of transformers' vision-language model `hf` as."""
-    return TEXT_AS.get(hf.config.text_config.model_type, hf.config.text_config.model_type)
+    own = hf.config.text_config.model_type
+    return TEXT_AS[own][0] if own in TEXT_AS else own
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -158,6 +169,7 @@ def test_loads_as_the_text_decoder_with_transformers_logits(saved):
     assert loaded.hf_config["architectures"] == [VARIANTS[name][2]]
     assert loaded.model.config.tie_word_embeddings == tied(hf)
     read = read_safetensors(folder, tensor_names_of(folder))  # the vision tower and projector are never read
+    read = loaded.model.family.model_tensors(read, loaded.model.config)  # fused experts split
     assert set(read) == {n for n in loaded.model.state_dict() if not (tied(hf) and n == "lm_head.weight")}
     for length in (8, 48):  # inside and past the sliding window
         x = ids(length)
@@ -276,8 +288,8 @@ def test_rtn_calibration_writes_a_text_only_checkpoint(saved, tmp_path):
     assert ("lm_head.weight" in load_file(out / "model.safetensors")) != tied(hf)
     text = AutoConfig.from_pretrained(out)
     assert text.model_type == text_type(hf) and text.tie_word_embeddings == tied(hf)
-    for field in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size"):
-        assert getattr(text, field) == getattr(hf.config.text_config, field), field
+    for field in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size", "num_experts"):
+        assert getattr(text, field, None) == getattr(hf.config.text_config, field, None), field
 
 
 def test_served_greedy_equals_the_dense_path(saved):
