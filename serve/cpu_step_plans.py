@@ -76,6 +76,8 @@ def _layer_unsupported(layer, attn: TorchPagedAttention, i: int) -> Optional[str
         return f"{type(sa).__name__}"
     if type(layer.ffn) not in (MLP, FusedMLP):
         return f"{type(layer.ffn).__name__} (a SiLU MLP)"
+    if sa.q_norm is not None and sa.qk_norm_after_rope:
+        return "q/k norms after RoPE (plans norm before it)"
     if sa.query_scale is not None:
         return "a query scale by position (Ministral 3's llama_4_scaling_beta)"
     if layer.rotary is not None and layer.rotary.long_inv_freq is not None:

@@ -193,6 +193,9 @@ def checkpoint_tensors(module: nn.Module, hf_config: dict, layout: str, dtype: t
         for name, (qt, bias) in entries.items():
             key = f"{name}.weight"
             entries[name] = fused.take_rows(qt, bias, pair_rope_rows({key: torch.arange(qt.shape[0])}, cfg)[key])
+    if family is not None and family.renames:
+        floats = {family.checkpoint_name(k): t for k, t in floats.items()}
+        entries = {family.checkpoint_name(k): e for k, e in entries.items()}
     tensors = _quantized_tensors(fused.fuse(hf_config.get("model_type", "llama"), entries), layout, dtype)
     return {**tensors, **floats}
 

@@ -17,6 +17,7 @@ from quantkit.models.gemma3 import GEMMA3  # noqa: F401
 from quantkit.models.glm import GLM, GLM4  # noqa: F401
 from quantkit.models.granite import GRANITE  # noqa: F401
 from quantkit.models.helium import HELIUM  # noqa: F401
+from quantkit.models.hunyuan import HUNYUAN  # noqa: F401
 from quantkit.models.llama import LLAMA  # noqa: F401
 from quantkit.models.ministral import MINISTRAL  # noqa: F401
 from quantkit.models.ministral3 import MINISTRAL3  # noqa: F401

@@ -80,9 +80,11 @@ class Attention(nn.Module):
     ops = TorchOps
 
     def __init__(self, cfg, layer_idx: int, linear_cls: Callable[..., nn.Module],
-                 qk_norm: Optional[Callable[[int, float], nn.Module]] = None, qk_norm_whole: bool = False):
+                 qk_norm: Optional[Callable[[int, float], nn.Module]] = None, qk_norm_whole: bool = False,
+                 qk_norm_after_rope: bool = False):
         """qk_norm: the RMSNorm class applied to q and k before RoPE, over head_dim (Qwen3, Gemma 3) or, qk_norm_whole,
-        over the whole projection, Hq * D and Hkv * D wide (OLMo 2); None: no q/k norm."""
+        over the whole projection, Hq * D and Hkv * D wide (OLMo 2), or, qk_norm_after_rope, over head_dim after RoPE
+        (Hunyuan); None: no q/k norm."""
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -93,6 +95,7 @@ class Attention(nn.Module):
         self.v_proj = linear_cls(h, kvd, bias=cfg.qkv_bias)
         self.o_proj = linear_cls(qd, h, bias=cfg.o_bias)
         self.query_scale = cfg.query_scale  # (beta, length) or None
+        self.qk_norm_after_rope = qk_norm_after_rope
         self.q_norm = self.k_norm = None
         if qk_norm is not None:
             self.q_norm = qk_norm(qd if qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
@@ -102,7 +105,7 @@ class Attention(nn.Module):
         # x [*lead, H] with lead = (B, L) dense or (T,) paged; positions [*lead] or [L]
         lead = x.shape[:-1]
         q, k, v = self.project(x)  # [*lead, Hq * D], [*lead, Hkv * D] x 2
-        if self.q_norm is not None:  # over rows of the norm's width: one per head (head_dim), or the whole projection
+        if self.q_norm is not None and not self.qk_norm_after_rope:  # per row of the norm's width: a head, or all
             q = self.q_norm(q.unflatten(-1, (-1, self.q_norm.weight.shape[0])))
             k = self.k_norm(k.unflatten(-1, (-1, self.k_norm.weight.shape[0])))
         q = q.view(*lead, self.n_heads, self.head_dim)
@@ -110,6 +113,8 @@ class Attention(nn.Module):
         v = v.view(*lead, self.n_kv, self.head_dim)
         if rotary is not None:  # None: a NoPE layer (SmolLM3), q and k unrotated
             q, k = self.ops.rope(q, k, positions, rotary)
+        if self.q_norm is not None and self.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.query_scale is not None:
             q = q * position_scale(positions, *self.query_scale).to(q.dtype)[..., None, None]
         if attn is None:  # dense: [B, L, H, D] -> [B, H, L, D]

@@ -24,7 +24,7 @@ class DecoderLayer(nn.Module):
         for name in self.norms:
             setattr(self, name, family.norm(cfg.hidden_size, cfg.rms_norm_eps))
         self.self_attn = Attention(cfg, layer_idx, linear_cls, family.norm if family.qk_norm else None,
-                                   family.qk_norm_whole)
+                                   family.qk_norm_whole, family.qk_norm_after_rope)
         self.residual_multiplier = cfg.residual_multiplier
         self.ffn_name = family.ffn_name
         if family.moe is not None and layer_idx in cfg.sparse_layers:

@@ -85,7 +85,8 @@ class ModelConfig:
         rope = rope_parameters(hf)
         partial = float(rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
         query_scale = position_query_scale(rope, where)
-        theta, scaling = parse_rope(rope, hf, where)
+        own = family.parse(hf, where)  # a family reading its RoPE itself (Hunyuan's alpha) sets rope_theta
+        theta, scaling = (None, None) if "rope_theta" in own else parse_rope(rope, hf, where)
         attention_bias = bool(hf.get("attention_bias", False))
         fields = dict(
             vocab_size=need(hf, "vocab_size", where),
@@ -107,7 +108,7 @@ class ModelConfig:
             o_bias=attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
         )
-        fields.update(family.parse(hf, where))
+        fields.update(own)
         cfg = cls(**fields)
         if cfg.rotary_dim <= 0 or cfg.rotary_dim % 2:
             raise QuantkitError(f"{where}: partial_rotary_factor {partial} rotates {cfg.rotary_dim} of the "

@@ -40,6 +40,7 @@ class Family:
     ffn_name: str = "mlp"  # the block's attribute holding its MLP / MoE block (Mixtral: "block_sparse_moe")
     qk_norm: bool = False  # q and k RMSNormed over head_dim before RoPE (Qwen3, Gemma 3)
     qk_norm_whole: bool = False  # with qk_norm: over the whole q / k projection (Hq * D, Hkv * D) instead (OLMo 2)
+    qk_norm_after_rope: bool = False  # with qk_norm: after RoPE instead of before (Hunyuan)
     embed_scale: bool = False  # embeddings times sqrt(hidden) rounded to the dtype (Gemma)
     tied: bool = False  # config.tie_word_embeddings when config.json omits it (transformers' default: Gemma, SmolLM3)
     # checkpoint tensors -> the model's state-dict names (split fused q/k/v, gate/up and 3-d expert tensors;
@@ -48,12 +49,25 @@ class Family:
     # RoPE turns interleaved pairs of each head's dims (GLM, Ernie 4.5, Helium): q/k rows reordered into
     # rotate-half's order at load (model_tensors) and back at write (formats/checkpoint.py)
     rope_pairs: bool = False
+    # (checkpoint, model) spellings of a module name part the family's checkpoints spell their own way (Hunyuan's
+    # ".self_attn.query_layernorm." for ".self_attn.q_norm."): renamed at load (model_tensors), back at write
+    renames: tuple[tuple[str, str], ...] = ()
 
     def model_tensors(self, state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-        """A checkpoint's tensors (float, or the row indices of quantized ones) -> the model's: `split`, then q/k
-        rows in rotate-half order where the family's RoPE turns pairs."""
-        state = self.split(state, cfg)
+        """A checkpoint's tensors (float, or the row indices of quantized ones) -> the model's: `renames`, `split`,
+        then q/k rows in rotate-half order where the family's RoPE turns pairs."""
+        state = self.split({self.model_name(k): t for k, t in state.items()}, cfg)
         return half_rope_rows(state, cfg) if self.rope_pairs else state
+
+    def model_name(self, name: str) -> str:
+        for stored, ours in self.renames:
+            name = name.replace(stored, ours)
+        return name
+
+    def checkpoint_name(self, name: str) -> str:
+        for stored, ours in self.renames:
+            name = name.replace(ours, stored)
+        return name
 
 
 FAMILIES: dict[str, Family] = {}  # model_type -> its family

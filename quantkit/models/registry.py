@@ -142,6 +142,7 @@ REGISTRY: dict[str, ArchSpec] = {
     "cohere": _OLMO2,  # parallel block: input_layernorm feeds attention and MLP both, so only v -> o, up -> down scale
     "cohere2": _OLMO2,
     "exaone4": _OLMO2,  # post-norm like OLMo 2; its per-head q/k norms are not Linears
+    "hunyuan_v1_dense": _LLAMA,  # its q/k norms (after RoPE) are not Linears
     "helium": _LLAMA,  # its interleaved RoPE is a q/k row order fixed at load: GPTQ rows and AWQ scales ignore it
     "ernie4_5": _LLAMA,
     "glm": _LLAMA,  # after the load-time split of gate_up_proj (models/keys.py)

@@ -27,9 +27,9 @@ FAMILIES = {
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
     "ministral": ("ministral", dict(num_hidden_layers=3, head_dim=16, sliding_window=WINDOW,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-    "ministral3": ("ministral3", dict(head_dim=16, rope_parameters=dict(
-        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
-        mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5))),  # queries at 16 and past scaled by 1 + 0.5 ln 2
+    "ministral3": ("ministral3", dict(head_dim=16, rope_parameters=dict(  # queries at 16 on scaled by 1 + 0.5 ln 2
+        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16, beta_fast=32.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5))),
     "seed_oss": ("seed_oss", dict(head_dim=16, attention_bias=True, attention_out_bias=True)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # layer 1 slides
     "qwen3": ("qwen3", dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
@@ -46,6 +46,8 @@ FAMILIES = {
                             rope_scaling=YARN)),  # layers 0-2 slide on plain RoPE, layer 3 is full with YaRN
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW,
                                 sliding_window_pattern=4)),  # layers 0-2 slide on RoPE, layer 3 is full and NoPE
+    "hunyuan": ("hunyuan_v1_dense", dict(head_dim=16, attention_bias=True, rope_parameters=dict(
+        rope_type="dynamic", alpha=1000.0, factor=1.0, rope_theta=10000.0))),  # q/k norms after RoPE, NTK alpha
     "helium": ("helium", dict(head_dim=16, attention_bias=True, mlp_bias=True)),  # interleaved RoPE pairs
     "ernie4_5": ("ernie4_5", dict(head_dim=16, use_bias=True)),  # interleaved RoPE pairs, every Linear biased
     "glm": ("glm", dict(head_dim=16)),  # interleaved pairs on half of each head (8 of 16 dims), gate_up_proj fused

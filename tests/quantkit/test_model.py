@@ -149,12 +149,14 @@ def test_seed_oss_and_ministral_defaults_are_transformers():
 
 
 @pytest.mark.parametrize("model_type", ["glm", "glm4", "ernie4_5", "helium", "exaone4", "cohere", "cohere2",
-                                        "ministral3"])
+                                        "ministral3", "hunyuan_v1_dense"])
 def test_fields_config_json_omits_default_as_transformers(model_type):
     """A config.json holding only the sizes: head_dim, RoPE base and rotated dims, norm epsilon, biases, tying, the
     sliding and NoPE layers read as transformers' config class and model fill them in."""
     raw = {"model_type": model_type, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": None}
+    if model_type == "hunyuan_v1_dense":
+        raw["head_dim"] = 16  # transformers' Hunyuan attention fails on a null head_dim
     theirs, ours = AutoConfig.for_model(**raw), ModelConfig.from_hf(raw)
     layer = AutoModelForCausalLM.from_config(theirs).model.layers[0]
     rope = theirs.rope_parameters

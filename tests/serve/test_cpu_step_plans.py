@@ -156,7 +156,8 @@ def test_w4_batches_above_the_gemv_rows_get_a_plan_on_the_gemm_that_takes_them(f
                                           ("glm4", "Glm4DecoderLayer (plans record"),
                                           ("exaone4", "PostNormDecoderLayer (plans record"),
                                           ("cohere", "Cohere's final norm (Fp32LayerNorm"),
-                                          ("ministral3", "a query scale by position")])
+                                          ("ministral3", "a query scale by position"),
+                                          ("hunyuan", "q/k norms after RoPE")])
 def test_models_plans_do_not_cover_say_why(family, name, reason, caplog):
     with caplog.at_level("INFO", logger="quantkit.serve"):
         runner = runner_for(family(name))
