@@ -46,7 +46,7 @@ class Family:
     # checkpoint tensors -> the model's state-dict names (split fused q/k/v, gate/up and 3-d expert tensors;
     # quantkit/models/keys.py); run on the float tensors of every folder the loader reads
     split: Callable[[dict[str, torch.Tensor], object], dict[str, torch.Tensor]] = same_keys
-    # RoPE turns interleaved pairs of each head's dims (GLM, Ernie 4.5, Helium): q/k rows reordered into
+    # RoPE turns interleaved pairs of each head's dims (Cohere, GLM, ERNIE 4.5, Helium): q/k rows reordered into
     # rotate-half's order at load (model_tensors) and back at write (formats/checkpoint.py)
     rope_pairs: bool = False
     # (checkpoint, model) spellings of a module name part the family's checkpoints spell their own way (Hunyuan's
