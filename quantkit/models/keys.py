@@ -11,8 +11,9 @@ per expert), so fused checkpoint tensors are split at load:
                    <p>.mlp.experts.down_proj     [E, H, I]  -> <moe>.experts.{e}.<down>
                    <p>.mlp.gate.weight                      -> <moe>.gate.weight (Mixtral's moe is block_sparse_moe)
 
-Families whose RoPE turns interleaved pairs (GLM, Ernie 4.5, Helium) have their q_proj / k_proj rows reordered at
-load into rotate-half's order (`half_rope_rows`) and back at write (`pair_rope_rows`), so one RoPE serves every path.
+Families whose RoPE turns interleaved pairs (Cohere, GLM, ERNIE 4.5, Helium) have their q_proj / k_proj rows
+reordered at load into rotate-half's order (`half_rope_rows`) and back at write (`pair_rope_rows`), so one RoPE
+serves every path.
 """
 
 from __future__ import annotations
