@@ -6,14 +6,18 @@ WRAPPERS (config.json model_type -> transformers' <X>ForConditionalGeneration):
   llava       LLaVA 1.5 and its fine-tunes: CLIP tower, a llama / mistral / qwen2 / ... decoder
   aya_vision  Aya Vision 8B / 32B: SigLIP tower, cohere2 decoder
   internvl    InternVL3 / 3.5 (the -hf checkpoints): InternViT tower, qwen2 / qwen3 / llama decoder
+  llava_next, llava_onevision
+              LLaVA-NeXT (1.6) and LLaVA-OneVision: CLIP / SigLIP tower, a llama / mistral / qwen2 decoder
+  smolvlm, idefics3
+              SmolVLM / SmolVLM2 and Idefics3: SigLIP tower, llama decoder under model.text_model
   qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe
               Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE: a qwen2 / qwen2 / qwen3 / qwen3_moe decoder whose text type
               (qwen2_5_vl_text, ...) transformers has no causal-LM class for (TEXT_AS). Its M-RoPE gives every token
               three position streams; on text alone all three are the token's index, so it is the decoder's plain
               RoPE (mrope_section and mrope_interleaved are dropped). The 4.x hub config.json is flat (the decoder's
               fields at the top level beside vision_config): transformers' config class reads it into text_config.
-They share one layout (transformers reads the first five through its "llava" checkpoint conversion), so one path
-reads them; where they differ (text model type, its defaults, class names) transformers' config classes tell:
+They share one layout (transformers reads the llava-like ones through its "llava" checkpoint conversion), so one
+path reads them; where they differ (text model type, its defaults, class names) transformers' config classes tell:
 config.json  {"model_type": <wrapper>, "text_config": {...}, "vision_config": {...}, top level: dtype, token ids, ...}
              -> the decoder's own config.json (what its ForCausalLM's save_pretrained writes): text_config's fields
              (none: the wrapper's default text_config, Mistral Small 3.1's for mistral3); where it lacks them, the
@@ -29,8 +33,10 @@ config.json  {"model_type": <wrapper>, "text_config": {...}, "vision_config": {.
 tensors      language_model.model.<x>  (the hub files; transformers 5.25 save_pretrained writes these too) -> model.<x>
              model.language_model.<x>  (transformers' module names since 4.52)                         -> model.<x>
              language_model.lm_head.<x>, lm_head.<x>                                                   -> lm_head.<x>
+             model.text_model.<x>  (SmolVLM, Idefics3)                                              -> model.<x>
              model.<x> (Qwen-VL's hub files: the decoder at the top, its tower beside)               -> model.<x>
-             [model.]vision_tower.*, [model.]multi_modal_projector.*, [model.]visual.*               -> not read
+             [model.]vision_tower.*, [model.]multi_modal_projector.*, [model.]visual.*,
+             [model.]vision_model.*, [model.]connector.*, [model.]image_newline                      -> not read
 (transformers' Gemma3ForConditionalGeneration skips text_config's final_logit_softcapping, which Gemma3ForCausalLM,
 vLLM and quantkit apply; no Gemma 3 release sets it.)
 """
@@ -42,14 +48,15 @@ from typing import Callable, Iterable, Optional
 
 from quantkit.errors import QuantkitError
 
-WRAPPERS = ("gemma3", "mistral3", "llava", "aya_vision", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-            "qwen3_vl_moe")
+WRAPPERS = ("gemma3", "mistral3", "llava", "aya_vision", "internvl", "llava_next", "llava_onevision", "smolvlm",
+            "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # text type -> (the decoder quantkit runs it as, fields that decoder must be told); module docstring
 TEXT_AS = {"qwen2_vl_text": ("qwen2", {}), "qwen2_5_vl_text": ("qwen2", {}), "qwen3_vl_text": ("qwen3", {}),
            "qwen3_vl_moe_text": ("qwen3_moe", {"norm_topk_prob": True})}  # its router always renormalises the top k
 _INHERITED = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version")
-_DECODER = re.compile(r"^(?:language_model\.model|model\.language_model)\.")
-_LEFT_OUT = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector|visual)\.")
+_DECODER = re.compile(r"^(?:language_model\.model|model\.language_model|model\.text_model)\.")
+_LEFT_OUT = re.compile(
+    r"^(?:model\.)?(?:vision_tower|multi_modal_projector|visual|vision_model|connector|image_newline)(?:\.|$)")
 
 
 def is_multimodal(hf: dict) -> bool:

@@ -10,6 +10,9 @@ VARIANTS, families.py's mistral and llama text configs under tiny vision towers:
   ministral3    Ministral 3's form: a ministral3 decoder (YaRN, queries past 16 positions scaled) in mistral3
   aya_vision    a cohere2 decoder (parallel block, LayerNorm, RoPE pairs, NoPE full layers) under a SigLIP tower
   internvl      a qwen2 decoder (q/k/v biases, a sliding layer), its tensors under transformers' module names
+  llava_next    a llama decoder beside a CLIP tower and the image_newline parameter (LLaVA 1.6)
+  llava_onevision  a qwen2 decoder beside a SigLIP tower and image_newline
+  smolvlm       a llama decoder under model.text_model, beside model.vision_model and model.connector
   qwen2_5_vl    Qwen2.5-VL's M-RoPE qwen2 decoder as transformers 5 saves it (the hub's tensor names: model.*, visual.*)
   qwen2_5_vl-4x the same with the hub's flat 4.x config.json (decoder fields at the top, rope_scaling type mrope)
   qwen3_vl      Qwen3-VL's qwen3 decoder (q/k norms, interleaved M-RoPE sections), under model.language_model.*
@@ -27,6 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AyaVisionConfig, AyaVisionForConditionalGeneration, InternVLConfig
 from transformers import InternVLForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config
+from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaOnevisionConfig
+from transformers import LlavaOnevisionForConditionalGeneration, SmolVLMConfig, SmolVLMForConditionalGeneration
 from transformers import Mistral3ForConditionalGeneration, PreTrainedTokenizerFast, Qwen2_5_VLConfig
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
@@ -54,6 +59,7 @@ TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atte
              patch_size=8)
 PIXTRAL, CLIP = {**TOWER, "head_dim": 16}, {**TOWER, "projection_dim": 32}
 SIGLIP = {**TOWER, "model_type": "siglip_vision_model"}
+GRID = [[32, 32]]  # LLaVA-NeXT's image tiling: one tile of the tiny tower's size
 QWEN_TOWER = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   spatial_merge_size=1, temporal_patch_size=1)
 MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # 8 frequencies of a 16-dim head
@@ -121,6 +127,11 @@ VARIANTS = {  # name -> (transformers' model, an edit of its save_pretrained fol
     "aya_vision": (vl(AyaVisionForConditionalGeneration, AyaVisionConfig, COHERE2, SIGLIP), None, "Cohere2ForCausalLM"),
     "internvl": (vl(InternVLForConditionalGeneration, InternVLConfig, QWEN2, INTERN_VIT), module_names,
                  "Qwen2ForCausalLM"),
+    "llava_next": (vl(LlavaNextForConditionalGeneration, LlavaNextConfig, LLAMA, CLIP, image_grid_pinpoints=GRID),
+                   None, "LlamaForCausalLM"),
+    "llava_onevision": (vl(LlavaOnevisionForConditionalGeneration, LlavaOnevisionConfig, QWEN2, SIGLIP,
+                           image_grid_pinpoints=GRID), None, "Qwen2ForCausalLM"),
+    "smolvlm": (vl(SmolVLMForConditionalGeneration, SmolVLMConfig, LLAMA, TOWER), None, "LlamaForCausalLM"),
     "qwen2_5_vl": (QWEN25_VL_MODEL, None, "Qwen2ForCausalLM"),
     "qwen2_5_vl-4x": (QWEN25_VL_MODEL, flat_form, "Qwen2ForCausalLM"),
     "qwen3_vl": (vl(Qwen3VLForConditionalGeneration, Qwen3VLConfig, QWEN3_VL, QWEN3_TOWER), None, "Qwen3ForCausalLM"),
@@ -142,7 +153,7 @@ def saved(request, tmp_path_factory, bundled_dir):
     torch.manual_seed(0)
     hf = build().eval()
     with torch.no_grad():  # random norms around 1: a missing norm cannot hide
-        for name, p in hf.model.language_model.named_parameters():
+        for name, p in decoder(hf).named_parameters():
             if "norm" in name:
                 p.normal_(mean=1.0, std=0.1)
     folder = tmp_path_factory.mktemp(request.param) / "model"
@@ -153,8 +164,13 @@ def saved(request, tmp_path_factory, bundled_dir):
     return request.param, hf, folder
 
 
+def decoder(hf):
+    """The text decoder module of transformers' vision-language model `hf` (SmolVLM calls it text_model)."""
+    return getattr(hf.model, "language_model", None) or hf.model.text_model
+
+
 def tied(hf) -> bool:
-    return hf.lm_head.weight is hf.model.language_model.embed_tokens.weight
+    return hf.lm_head.weight is decoder(hf).embed_tokens.weight
 
 
 def ids(length: int) -> torch.Tensor:
