@@ -10,6 +10,7 @@ WRAPPERS (config.json model_type -> transformers' <X>ForConditionalGeneration):
               LLaVA-NeXT (1.6) and LLaVA-OneVision: CLIP / SigLIP tower, a llama / mistral / qwen2 decoder
   smolvlm, idefics3
               SmolVLM / SmolVLM2 and Idefics3: SigLIP tower, llama decoder under model.text_model
+  glm4v       GLM-4.1V-Thinking: its glm4v_text decoder is GLM-4-0414's (TEXT_AS), its M-RoPE plain on text as below
   qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe
               Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE: a qwen2 / qwen2 / qwen3 / qwen3_moe decoder whose text type
               (qwen2_5_vl_text, ...) transformers has no causal-LM class for (TEXT_AS). Its M-RoPE gives every token
@@ -49,10 +50,11 @@ from typing import Callable, Iterable, Optional
 from quantkit.errors import QuantkitError
 
 WRAPPERS = ("gemma3", "mistral3", "llava", "aya_vision", "internvl", "llava_next", "llava_onevision", "smolvlm",
-            "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+            "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
 # text type -> (the decoder quantkit runs it as, fields that decoder must be told); module docstring
 TEXT_AS = {"qwen2_vl_text": ("qwen2", {}), "qwen2_5_vl_text": ("qwen2", {}), "qwen3_vl_text": ("qwen3", {}),
-           "qwen3_vl_moe_text": ("qwen3_moe", {"norm_topk_prob": True})}  # its router always renormalises the top k
+           "qwen3_vl_moe_text": ("qwen3_moe", {"norm_topk_prob": True}),  # its router always renormalises the top k
+           "glm4v_text": ("glm4", {"attention_bias": True})}  # its q/k/v always carry a bias
 _INHERITED = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version")
 _DECODER = re.compile(r"^(?:language_model\.model|model\.language_model|model\.text_model)\.")
 _LEFT_OUT = re.compile(

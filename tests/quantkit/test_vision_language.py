@@ -18,6 +18,7 @@ VARIANTS, families.py's mistral and llama text configs under tiny vision towers:
   qwen3_vl      Qwen3-VL's qwen3 decoder (q/k norms, interleaved M-RoPE sections), under model.language_model.*
   qwen3_vl_moe  Qwen3-VL-MoE's qwen3_moe decoder (router always renormalised), experts fused as transformers 5 saves
   qwen3_vl_moe-hub  the same with the hub files' transposed experts ([E, H, 2I] and [E, I, H])
+  glm4v         GLM-4.1V's glm4v_text decoder: GLM-4-0414's block, M-RoPE over half of each head's dims in pairs
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, Lla
 from transformers import LlavaOnevisionForConditionalGeneration, SmolVLMConfig, SmolVLMForConditionalGeneration
 from transformers import Mistral3ForConditionalGeneration, PreTrainedTokenizerFast, Qwen2_5_VLConfig
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration
-from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Qwen3VLMoeConfig
+from transformers import Qwen3VLMoeForConditionalGeneration
 from typer.testing import CliRunner
 
 from quantkit.cli import _typer_app
@@ -67,6 +69,10 @@ QWEN25_VL = {**QWEN2, "model_type": "qwen2_5_vl_text", "rope_parameters": MROPE}
 QWEN3_VL = {**BASE, "head_dim": 16, "model_type": "qwen3_vl_text",
             "rope_parameters": {**MROPE, "mrope_interleaved": True}}
 QWEN3_TOWER = {**QWEN_TOWER, "deepstack_visual_indexes": [0], "num_position_embeddings": 16}
+GLM4V = {**BASE, "head_dim": 16, "model_type": "glm4v_text",
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                             "partial_rotary_factor": 0.5}}  # sections of the 4 frequencies of 8 rotated dims
+GLM4V_TOWER = {**QWEN_TOWER, "image_size": 16}
 QWEN3_VL_MOE = {**QWEN3_VL, "model_type": "qwen3_vl_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
                 "moe_intermediate_size": 96}  # 2I, I and H all differ: the experts' orientation shows
 INTERN_VIT = {**TOWER, "image_size": [32, 32], "patch_size": [8, 8], "model_type": "internvl_vision"}
@@ -137,6 +143,7 @@ VARIANTS = {  # name -> (transformers' model, an edit of its save_pretrained fol
     "qwen3_vl": (vl(Qwen3VLForConditionalGeneration, Qwen3VLConfig, QWEN3_VL, QWEN3_TOWER), None, "Qwen3ForCausalLM"),
     "qwen3_vl_moe": (QWEN3_VL_MOE_MODEL, None, "Qwen3MoeForCausalLM"),
     "qwen3_vl_moe-hub": (QWEN3_VL_MOE_MODEL, transposed_experts, "Qwen3MoeForCausalLM"),
+    "glm4v": (vl(Glm4vForConditionalGeneration, Glm4vConfig, GLM4V, GLM4V_TOWER), None, "Glm4ForCausalLM"),
 }
 
 
