@@ -28,7 +28,6 @@ from quantkit.formats import awq, compressed_tensors, fused, gptq
 from quantkit.formats.safetensors_stream import Stored, write_safetensors
 from quantkit.models.config import ModelConfig
 from quantkit.models.family import FAMILIES
-from quantkit.models.keys import pair_rope_rows
 from quantkit.quant.qlinear import QLinear
 from quantkit.quant.scheme import QTensor
 
@@ -185,18 +184,12 @@ def checkpoint_tensors(module: nn.Module, hf_config: dict, layout: str, dtype: t
     one decoder block with prefix "model.layers.<i>." (a block's tensors do not depend on the rest of the model)."""
     qlinears = qlinear_modules(module)
     entries = {prefix + name: (m.qtensor().to("cpu"), m.bias) for name, m in qlinears.items()}
+    entries = fused.as_stored(hf_config, entries)
+    tensors = _quantized_tensors(fused.fuse(hf_config.get("model_type", "llama"), entries), layout, dtype)
     floats = {prefix + k: t for k, t in _float_tensors(module, qlinears, hf_config, dtype).items()}
     family = FAMILIES.get(hf_config.get("model_type"))
-    if family is not None and family.rope_pairs:  # q/k rows back to the checkpoint's RoPE pairs (models/keys.py)
-        cfg = ModelConfig.from_hf(hf_config)
-        floats = pair_rope_rows(floats, cfg)
-        for name, (qt, bias) in entries.items():
-            key = f"{name}.weight"
-            entries[name] = fused.take_rows(qt, bias, pair_rope_rows({key: torch.arange(qt.shape[0])}, cfg)[key])
-    if family is not None and family.renames:
-        floats = {family.checkpoint_name(k): t for k, t in floats.items()}
-        entries = {family.checkpoint_name(k): e for k, e in entries.items()}
-    tensors = _quantized_tensors(fused.fuse(hf_config.get("model_type", "llama"), entries), layout, dtype)
+    if family is not None and not family.stored_as_built:  # names and q/k rows as stored (models/keys.py)
+        floats = family.checkpoint_tensors(floats, ModelConfig.from_hf(hf_config))
     return {**tensors, **floats}
 
 

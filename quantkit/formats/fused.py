@@ -61,18 +61,29 @@ def fuse(model_type: str, entries: dict[str, Entry]) -> dict[str, Entry]:
 def split(hf_config: dict, entries: dict[str, Entry]) -> dict[str, Entry]:
     """{checkpoint module name: entry} -> {Linear name: entry}: every fused module cut into its parts' rows, the
     rows of each in the model's order (the family's model_tensors, applied to row indices)."""
+    return _mapped_rows(hf_config, entries, to_checkpoint=False)
+
+
+def as_stored(hf_config: dict, entries: dict[str, Entry]) -> dict[str, Entry]:
+    """{Linear name: entry} -> the same Linears under the checkpoint's names, rows in its order (the family's
+    checkpoint_tensors applied to row indices): `split`'s inverse but for the fusing, which `fuse` does."""
+    return _mapped_rows(hf_config, entries, to_checkpoint=True)
+
+
+def _mapped_rows(hf_config: dict, entries: dict[str, Entry], to_checkpoint: bool) -> dict[str, Entry]:
     from quantkit.models.config import ModelConfig
-    from quantkit.models.family import FAMILIES, same_keys
+    from quantkit.models.family import FAMILIES
 
     family = FAMILIES.get(hf_config.get("model_type"))
-    if family is None or family.split is same_keys and not family.rope_pairs:
+    if family is None or family.stored_as_built:
         return entries  # the loader refuses an unknown model_type with the list of those it runs
     cfg = ModelConfig.from_hf(hf_config)
+    mapping = family.checkpoint_tensors if to_checkpoint else family.model_tensors
     out = {}
     for name, (qt, bias) in entries.items():
-        rows = family.model_tensors({f"{name}.weight": torch.arange(qt.shape[0])}, cfg)  # weight -> its rows
-        for key, index in rows.items():
-            out[key.removesuffix(".weight")] = take_rows(qt, bias, index)
+        rows = torch.arange(qt.shape[0])
+        for key, index in mapping({f"{name}.weight": rows}, cfg).items():  # its weight -> the rows of each part
+            out[key.removesuffix(".weight")] = (qt, bias) if index is rows else take_rows(qt, bias, index)
     return out
 
 

@@ -86,7 +86,7 @@ class ModelConfig:
         partial = float(rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
         query_scale = position_query_scale(rope, where)
         own = family.parse(hf, where)  # a family reading its RoPE itself (Hunyuan's alpha) sets rope_theta
-        theta, scaling = (None, None) if "rope_theta" in own else parse_rope(rope, hf, where)
+        theta, scaling = (None, None) if "rope_theta" in own else parse_rope(rope, hf, where, family.rope_theta)
         attention_bias = bool(hf.get("attention_bias", False))
         fields = dict(
             vocab_size=need(hf, "vocab_size", where),
@@ -191,6 +191,12 @@ def per_layer_type_rope(hf: dict, where: str, default_theta: float, local_defaul
         raise QuantkitError(f"{where}: RoPE scaling on the sliding layers is not supported")
     same = local == theta and scaling is None
     return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": None if same else local}
+
+
+def every_nth_full(hf: dict, nth: int) -> list[str]:
+    """Per-layer attention types: config.layer_types, else layer i full where (i + 1) % nth == 0 and sliding
+    elsewhere (Gemma 2/3, OLMo 3, Cohere 2, EXAONE 4)."""
+    return hf.get("layer_types") or [FULL if (i + 1) % nth == 0 else SLIDING for i in range(hf["num_hidden_layers"])]
 
 
 def windowed(types: list[str], window: Optional[int]) -> dict:

@@ -4,16 +4,15 @@ embeddings, and transformers' defaults where config.json is silent: RoPE base 5e
 
 from __future__ import annotations
 
-from quantkit.models.config import class_head_dim, parse_rope, rope_parameters
+from quantkit.models.config import class_head_dim
 from quantkit.models.family import Family, register
 
 
 def parse(hf: dict, where: str) -> dict:
-    theta, scaling = parse_rope(rope_parameters(hf), hf, where, default_theta=5e5)
     bias = bool(hf.get("use_bias", False))
-    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bias, "rope_theta": theta, "rope_scaling": scaling,
-            "rms_norm_eps": hf.get("rms_norm_eps", 1e-5), "head_dim": class_head_dim(hf, 128),
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bias, "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
+            "head_dim": class_head_dim(hf, 128),
             "num_key_value_heads": hf.get("num_key_value_heads", 2) or hf["num_attention_heads"]}
 
 
-ERNIE4_5 = register(Family("ERNIE 4.5", ("ernie4_5",), parse=parse, rope_pairs=True, tied=True))
+ERNIE4_5 = register(Family("ERNIE 4.5", ("ernie4_5",), parse=parse, rope_pairs=True, tied=True, rope_theta=5e5))

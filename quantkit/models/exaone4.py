@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from quantkit.errors import QuantkitError
 from quantkit.models.blocks import PostNormDecoderLayer
-from quantkit.models.config import FULL, SLIDING, windowed
+from quantkit.models.config import FULL, SLIDING, every_nth_full, windowed
 from quantkit.models.family import Family, register
 
 
@@ -17,15 +17,16 @@ def parse(hf: dict, where: str) -> dict:
     eps = {"rms_norm_eps": hf.get("rms_norm_eps", 1e-5)}
     if window is None:
         return eps
-    types = hf.get("layer_types") or _pattern_types(hf.get("sliding_window_pattern", 4), n, where)
+    types = _layer_types(hf, where)
     return {**eps, "nope_layers": tuple(i for i in range(n) if types[i] == FULL), **windowed(types, window)}
 
 
-def _pattern_types(pattern, n: int, where: str) -> list[str]:
+def _layer_types(hf: dict, where: str) -> list[str]:
+    pattern = hf.get("sliding_window_pattern", 4)
+    if hf.get("layer_types") or isinstance(pattern, int) and pattern > 0:
+        return every_nth_full(hf, pattern)
     if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
-        return [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(n)]
-    if isinstance(pattern, int) and pattern > 0:
-        return [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+        return [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(hf["num_hidden_layers"])]
     raise QuantkitError(f"{where}: sliding_window_pattern {pattern!r} is neither a positive int nor a string of L "
                         f"(local) and G (global)")
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.models.blocks import DecoderLayer
-from quantkit.models.keys import half_rope_rows
+from quantkit.models.keys import half_rope_rows, pair_rope_rows
 from quantkit.models.layers import MLP, RMSNorm
 
 
@@ -43,6 +43,7 @@ class Family:
     qk_norm_after_rope: bool = False  # with qk_norm: after RoPE instead of before (Hunyuan)
     embed_scale: bool = False  # embeddings times sqrt(hidden) rounded to the dtype (Gemma)
     tied: bool = False  # config.tie_word_embeddings when config.json omits it (transformers' default: Gemma, SmolLM3)
+    rope_theta: float = 10000.0  # the RoPE base when config.json omits it (transformers' config class's default)
     # checkpoint tensors -> the model's state-dict names (split fused q/k/v, gate/up and 3-d expert tensors;
     # quantkit/models/keys.py); run on the float tensors of every folder the loader reads
     split: Callable[[dict[str, torch.Tensor], object], dict[str, torch.Tensor]] = same_keys
@@ -53,11 +54,22 @@ class Family:
     # ".self_attn.query_layernorm." for ".self_attn.q_norm."): renamed at load (model_tensors), back at write
     renames: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def stored_as_built(self) -> bool:
+        """Whether a checkpoint holds the model's tensors as they are: no split, rename or row order."""
+        return self.split is same_keys and not self.rope_pairs and not self.renames
+
     def model_tensors(self, state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
         """A checkpoint's tensors (float, or the row indices of quantized ones) -> the model's: `renames`, `split`,
         then q/k rows in rotate-half order where the family's RoPE turns pairs."""
         state = self.split({self.model_name(k): t for k, t in state.items()}, cfg)
         return half_rope_rows(state, cfg) if self.rope_pairs else state
+
+    def checkpoint_tensors(self, state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+        """The model's tensors (float, or the row indices of quantized ones) -> the checkpoint's names and row order:
+        model_tensors' renames and RoPE-pair order undone (its fused splits are undone by formats/fused.fuse)."""
+        state = pair_rope_rows(state, cfg) if self.rope_pairs else state
+        return {self.checkpoint_name(k): t for k, t in state.items()}
 
     def model_name(self, name: str) -> str:
         for stored, ours in self.renames:

@@ -5,7 +5,7 @@ soft-capped (cap * tanh(x / cap)), and every other layer sliding (layers 0, 2, .
 from __future__ import annotations
 
 from quantkit.models.blocks import SandwichDecoderLayer
-from quantkit.models.config import FULL, SLIDING, windowed
+from quantkit.models.config import every_nth_full, windowed
 from quantkit.models.family import Family, register
 from quantkit.models.gemma import GEMMA, refuse_bidirectional
 
@@ -14,8 +14,7 @@ def gemma_fields(hf: dict, where: str, pattern: int) -> dict:
     """What Gemma 2 and 3 share: layer i slides unless (i + 1) % pattern == 0 (or as config.layer_types says), the
     attention scale's scalar (HF default 256), the final soft-cap; refuses bidirectional attention."""
     refuse_bidirectional(hf, where)
-    n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
+    types = every_nth_full(hf, pattern)
     return {"query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256)),
             "final_logit_softcapping": hf.get("final_logit_softcapping"),
             **windowed(types, hf.get("sliding_window", 4096))}

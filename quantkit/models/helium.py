@@ -4,14 +4,12 @@ config.attention_bias, o_proj never biased."""
 
 from __future__ import annotations
 
-from quantkit.models.config import class_head_dim, parse_rope, rope_parameters
+from quantkit.models.config import class_head_dim
 from quantkit.models.family import Family, register
 
 
 def parse(hf: dict, where: str) -> dict:
-    theta, scaling = parse_rope(rope_parameters(hf), hf, where, default_theta=1e5)
-    return {"o_bias": False, "rms_norm_eps": hf.get("rms_norm_eps", 1e-8), "rope_theta": theta,
-            "rope_scaling": scaling, "head_dim": class_head_dim(hf, 128)}
+    return {"o_bias": False, "rms_norm_eps": hf.get("rms_norm_eps", 1e-8), "head_dim": class_head_dim(hf, 128)}
 
 
-HELIUM = register(Family("Helium", ("helium",), parse=parse, rope_pairs=True))
+HELIUM = register(Family("Helium", ("helium",), parse=parse, rope_pairs=True, rope_theta=1e5))

@@ -4,15 +4,13 @@ long-context checkpoints) on the full layers only, the sliding layers' RoPE unsc
 
 from __future__ import annotations
 
-from quantkit.models.config import FULL, SLIDING, per_layer_type_rope, windowed
+from quantkit.models.config import every_nth_full, per_layer_type_rope, windowed
 from quantkit.models.family import Family, register
 from quantkit.models.olmo2 import OLMO2
 
 
 def parse(hf: dict, where: str) -> dict:
-    n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or [FULL if (i + 1) % 4 == 0 else SLIDING for i in range(n)]
-    return {**windowed(types, hf.get("sliding_window", 4096)),
+    return {**windowed(every_nth_full(hf, 4), hf.get("sliding_window", 4096)),
             **per_layer_type_rope(hf, where, default_theta=5e5, local_default=None)}
 
 

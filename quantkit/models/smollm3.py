@@ -6,7 +6,7 @@ slide over sliding_window (as transformers' masks do)."""
 from __future__ import annotations
 
 from quantkit.errors import QuantkitError
-from quantkit.models.config import FULL, SLIDING, parse_rope, rope_parameters, windowed
+from quantkit.models.config import FULL, SLIDING, windowed
 from quantkit.models.family import Family, register
 
 
@@ -21,9 +21,7 @@ def parse(hf: dict, where: str) -> dict:
     window = hf.get("sliding_window")
     slides = bool(hf.get("use_sliding_window")) and window is not None
     types = hf.get("layer_types") or [SLIDING if slides and not uses_rope[i] else FULL for i in range(n)]
-    theta, scaling = parse_rope(rope_parameters(hf), hf, where, default_theta=2e6)
-    return {"nope_layers": tuple(i for i in range(n) if not uses_rope[i]), "rope_theta": theta,
-            "rope_scaling": scaling, **windowed(types, window)}
+    return {"nope_layers": tuple(i for i in range(n) if not uses_rope[i]), **windowed(types, window)}
 
 
-SMOLLM3 = register(Family("SmolLM3", ("smollm3",), parse=parse, tied=True))
+SMOLLM3 = register(Family("SmolLM3", ("smollm3",), parse=parse, tied=True, rope_theta=2e6))
