@@ -1,5 +1,5 @@
-/* The fused per-token kernels of kernels/cpu/fused.py (add + RMSNorm, RoPE, SiLU-and-multiply, KV store), OpenMP
-   over rows, fp32 math. */
+/* The fused per-token kernels of kernels/cpu/fused.py (add + RMSNorm or LayerNorm, RoPE, SiLU- and GELU-and-multiply,
+   KV store), OpenMP over rows, fp32 math. */
 #include <math.h>
 
 #include "common.h"
@@ -16,29 +16,44 @@
 #define ST_F16(p, i, v) ((p)[i] = (_Float16)(v))
 #define RND_F16(v) ((float)(_Float16)(v))
 
-/* x [T, H] (row stride xs), residual [T, H] contiguous or NULL, weight [H] -> out, sum [T, H] contiguous */
-#define ADD_RMS_NORM(SUF, T, LD, ST, RND)                                                                          \
-static void add_rms_norm_##SUF(const T* x, int64_t xs, const T* res, T* sum, const T* w, T* out, int n, int h, \
-                               float eps, int threads) {                                                       \
+/* x [T, H] (row stride xs), residual [T, H] contiguous or NULL, weight [H] -> out, sum [T, H] contiguous. `kind`
+   says how the normed row is scaled: LLAMA_NORM rounds it to the dtype, then multiplies by weight (Hugging Face's
+   LlamaRMSNorm); FP32_NORM multiplies it by offset + weight in fp32 and rounds once (OLMo 2's, Gemma's (offset 1));
+   CENTERED_NORM does so after subtracting the row's mean (Cohere's bias-free LayerNorm) */
+enum { LLAMA_NORM, FP32_NORM, CENTERED_NORM };
+#define ADD_NORM(SUF, T, LD, ST, RND)                                                                              \
+static void add_norm_##SUF(const T* x, int64_t xs, const T* res, T* sum, const T* w, T* out, int n, int h,     \
+                           float eps, float offset, int kind, int threads) {                                   \
   _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
   for (int t = 0; t < n; t++) {                                                                                \
     const T* xr = x + (int64_t)t * xs;                                                                         \
     T* o = out + (int64_t)t * h;                                                                               \
-    float ss = 0.f;                                                                                            \
+    float ss = 0.f, total = 0.f;                                                                               \
     if (res) {                                                                                                 \
       const T* r = res + (int64_t)t * h;                                                                       \
       T* sr = sum + (int64_t)t * h;                                                                            \
-      _Pragma("omp simd reduction(+:ss)")                                                                      \
-      for (int i = 0; i < h; i++) { const float v = RND(LD(r, i) + LD(xr, i)); ST(sr, i, v);     \
-                                    ss += v * v; }                                                             \
+      _Pragma("omp simd reduction(+:ss, total)")                                                               \
+      for (int i = 0; i < h; i++) { const float v = RND(LD(r, i) + LD(xr, i)); ST(sr, i, v);                  \
+                                    ss += v * v; total += v; }                                                 \
       xr = sr;                                                                                                 \
     } else {                                                                                                   \
+      _Pragma("omp simd reduction(+:ss, total)")                                                               \
+      for (int i = 0; i < h; i++) { const float v = LD(xr, i); ss += v * v; total += v; }                      \
+    }                                                                                                          \
+    const float mean = kind == CENTERED_NORM ? total / h : 0.f;                                                \
+    if (kind == CENTERED_NORM) {                                                                               \
+      ss = 0.f;                                                                                                \
       _Pragma("omp simd reduction(+:ss)")                                                                      \
-      for (int i = 0; i < h; i++) { const float v = LD(xr, i); ss += v * v; }                                   \
+      for (int i = 0; i < h; i++) { const float v = LD(xr, i) - mean; ss += v * v; }                           \
     }                                                                                                          \
     const float inv = 1.f / sqrtf(ss / h + eps);                                                               \
-    _Pragma("omp simd")                                                                                        \
-    for (int i = 0; i < h; i++) ST(o, i, LD(w, i) * RND(LD(xr, i) * inv));                        \
+    if (kind == LLAMA_NORM) {                                                                                  \
+      _Pragma("omp simd")                                                                                      \
+      for (int i = 0; i < h; i++) ST(o, i, LD(w, i) * RND(LD(xr, i) * inv));                                   \
+    } else {                                                                                                   \
+      _Pragma("omp simd")                                                                                      \
+      for (int i = 0; i < h; i++) ST(o, i, ((LD(xr, i) - mean) * inv) * (offset + LD(w, i)));                  \
+    }                                                                                                          \
   }                                                                                                            \
 }
 
@@ -64,32 +79,54 @@ static void rope_##SUF(T* q, int64_t qs, int hq, T* k, int64_t ks, int hk, const
   }                                                                                                            \
 }
 
-/* gate, up [T, I] (row strides gs, us) -> out [T, I] contiguous */
-#define SILU_MUL(SUF, T, LD, ST)                                                                              \
-static void silu_mul_##SUF(const T* g, int64_t gs, const T* u, int64_t us, T* out, int n, int m, int threads) { \
+/* gate, up [T, I] (row strides gs, us) -> out [T, I] contiguous: ACT(gate, up) (silu.h's silu_times or
+   gelu_tanh_times), in fp32, rounded once */
+#define GATED(NAME, ACT, SUF, T, LD, ST)                                                                      \
+static void NAME##_##SUF(const T* g, int64_t gs, const T* u, int64_t us, T* out, int n, int m, int threads) {  \
   _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
   for (int t = 0; t < n; t++) {                                                                                \
     const T* gr = g + (int64_t)t * gs; const T* ur = u + (int64_t)t * us; T* o = out + (int64_t)t * m;        \
     _Pragma("omp simd")                                                                                        \
-    for (int i = 0; i < m; i++) ST(o, i, silu_times(LD(gr, i), LD(ur, i)));                                  \
+    for (int i = 0; i < m; i++) ST(o, i, ACT(LD(gr, i), LD(ur, i)));                                         \
   }                                                                                                            \
 }
 
-ADD_RMS_NORM(f32, float, LD_F32, ST_F32, RND_F32)
-ADD_RMS_NORM(bf16, uint16_t, LD_BF16, ST_BF16, round_bf16)
-ADD_RMS_NORM(f16, _Float16, LD_F16, ST_F16, RND_F16)
+ADD_NORM(f32, float, LD_F32, ST_F32, RND_F32)
+ADD_NORM(bf16, uint16_t, LD_BF16, ST_BF16, round_bf16)
+ADD_NORM(f16, _Float16, LD_F16, ST_F16, RND_F16)
 ROPE(f32, float, LD_F32, ST_F32)
 ROPE(bf16, uint16_t, LD_BF16, ST_BF16)
 ROPE(f16, _Float16, LD_F16, ST_F16)
-SILU_MUL(f32, float, LD_F32, ST_F32)
-SILU_MUL(bf16, uint16_t, LD_BF16, ST_BF16)
-SILU_MUL(f16, _Float16, LD_F16, ST_F16)
+/* the three dtypes' kernels of one activation and their entry point NAME(..., dtype, threads) */
+#define GATED_ALL(NAME, ACT)                                                                                  \
+  GATED(NAME, ACT, f32, float, LD_F32, ST_F32)                                                                 \
+  GATED(NAME, ACT, bf16, uint16_t, LD_BF16, ST_BF16)                                                           \
+  GATED(NAME, ACT, f16, _Float16, LD_F16, ST_F16)                                                              \
+  void NAME(const void* g, int64_t gs, const void* u, int64_t us, void* out, int n, int m, int dtype,         \
+            int threads) {                                                                                     \
+    if (dtype == F32) NAME##_f32(g, gs, u, us, out, n, m, threads);                                            \
+    else if (dtype == BF16) NAME##_bf16(g, gs, u, us, out, n, m, threads);                                     \
+    else NAME##_f16(g, gs, u, us, out, n, m, threads);                                                         \
+  }
+GATED_ALL(silu_mul, silu_times)
+GATED_ALL(gelu_tanh_mul, gelu_tanh_times)
+
+static void add_norm(const void* x, int64_t xs, const void* res, void* sum, const void* w, void* out, int n, int h,
+                     float eps, float offset, int kind, int dtype, int threads) {
+  if (dtype == F32) add_norm_f32(x, xs, res, sum, w, out, n, h, eps, offset, kind, threads);
+  else if (dtype == BF16) add_norm_bf16(x, xs, res, sum, w, out, n, h, eps, offset, kind, threads);
+  else add_norm_f16(x, xs, res, sum, w, out, n, h, eps, offset, kind, threads);
+}
 
 void add_rms_norm(const void* x, int64_t xs, const void* res, void* sum, const void* w, void* out, int n, int h,
                   float eps, int dtype, int threads) {
-  if (dtype == F32) add_rms_norm_f32(x, xs, res, sum, w, out, n, h, eps, threads);
-  else if (dtype == BF16) add_rms_norm_bf16(x, xs, res, sum, w, out, n, h, eps, threads);
-  else add_rms_norm_f16(x, xs, res, sum, w, out, n, h, eps, threads);
+  add_norm(x, xs, res, sum, w, out, n, h, eps, 0.f, LLAMA_NORM, dtype, threads);
+}
+
+/* add_rms_norm with the normed row times offset + weight in fp32, rounded once; centered: LayerNorm's mean first */
+void add_fp32_norm(const void* x, int64_t xs, const void* res, void* sum, const void* w, void* out, int n, int h,
+                   float eps, float offset, int centered, int dtype, int threads) {
+  add_norm(x, xs, res, sum, w, out, n, h, eps, offset, centered ? CENTERED_NORM : FP32_NORM, dtype, threads);
 }
 
 void rope(void* q, int64_t qs, int hq, void* k, int64_t ks, int hk, const int64_t* pos, const float* table,
@@ -97,13 +134,6 @@ void rope(void* q, int64_t qs, int hq, void* k, int64_t ks, int hk, const int64_
   if (dtype == F32) rope_f32(q, qs, hq, k, ks, hk, pos, table, n, d, r, threads);
   else if (dtype == BF16) rope_bf16(q, qs, hq, k, ks, hk, pos, table, n, d, r, threads);
   else rope_f16(q, qs, hq, k, ks, hk, pos, table, n, d, r, threads);
-}
-
-void silu_mul(const void* g, int64_t gs, const void* u, int64_t us, void* out, int n, int m, int dtype,
-              int threads) {
-  if (dtype == F32) silu_mul_f32(g, gs, u, us, out, n, m, threads);
-  else if (dtype == BF16) silu_mul_bf16(g, gs, u, us, out, n, m, threads);
-  else silu_mul_f16(g, gs, u, us, out, n, m, threads);
 }
 
 /* k, v [T, row_bytes] (token strides ks, vs bytes) -> caches viewed as [slots, row_bytes] */

@@ -5,13 +5,16 @@ rows, fp32 math):
                  the eight ops of the torch path
   rope           rotate-half RoPE of q and k in place, cos/sin from a fp32 table [positions, R] (cos | sin) over
                  the first R <= D dims of each head (R < D: partial rotary, the rest pass through)
+  add_fp32_norm  add_rms_norm with the normed value times (offset + weight) in fp32, rounded once (OLMo 2's and
+                 Gemma's order), optionally mean-centred first (Cohere's bias-free LayerNorm)
   silu_mul       out = silu(gate) * up
+  gelu_tanh_mul  out = gelu(gate) * up, gelu's tanh approximation (Gemma's GeGLU)
   kv_store       copy each token's K and V rows into the paged cache at its slot (replaces index_copy_)
 
 Rounding follows the model's torch ops: the normalised value is rounded to the dtype before the weight multiplies
 it, as in Hugging Face's LlamaRMSNorm; products are otherwise rounded once (a torch path that rounds after every op
 differs by at most a rounding step in bf16). The `*_ref` functions are the kernels' math in plain torch.
-CpuFusedOps is a model's `ops` (rms_norm, rope, silu_mul) when the library builds; it is given the ops to fall
+CpuFusedOps is a model's `ops` (TorchOps' contract: rms_norm, fp32_norm, rope, silu_mul, gelu_tanh_mul) when the library builds; it is given the ops to fall
 back on (the model's torch ops) for inputs the kernels do not cover, so this file knows nothing of the model.
 """
 
@@ -28,7 +31,9 @@ _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 SIGNATURES = {
     "add_rms_norm": [_P, _I64, _P, _P, _P, _P, _INT, _INT, _F, _INT, _INT],
     "rope": [_P, _I64, _INT, _P, _I64, _INT, _P, _P, _INT, _INT, _INT, _INT, _INT],
+    "add_fp32_norm": [_P, _I64, _P, _P, _P, _P, _INT, _INT, _F, _F, _INT, _INT, _INT],
     "silu_mul": [_P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT],
+    "gelu_tanh_mul": [_P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT],
     "kv_store": [_P, _I64, _P, _I64, _P, _P, _P, _INT, _I64, _INT],
 }
 _MIN_ROPE_TABLE = 256  # rows of the first RoPE table; it grows by doubling
@@ -73,9 +78,24 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> t
     return torch.cat((rotated, x[..., table.shape[1]:]), dim=-1)
 
 
+# add_fp32_norm_ref - as add_rms_norm_ref, the normed value times (offset + weight) in fp32 (centered: x - mean(x))
+def add_fp32_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      offset: float, centered: bool):
+    total = x if residual is None else (residual.float() + x.float()).to(x.dtype)
+    t = total.float()
+    t = t - t.mean(-1, keepdim=True) if centered else t
+    normed = t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) / t.shape[-1] + eps)
+    return (normed * (offset + weight.float())).to(x.dtype), total
+
+
 # silu_mul_ref - gate, up [..., I] -> [..., I], gate's dtype
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+# gelu_tanh_mul_ref - as silu_mul_ref with gelu's tanh approximation
+def gelu_tanh_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (F.gelu(gate.float(), approximate="tanh") * up.float()).to(gate.dtype)
 
 
 # kv_store_ref - k, v [T, Hkv, D] -> k_cache, v_cache [NB, BS, Hkv, D] at slots int64 [T] (in place)
@@ -104,9 +124,9 @@ def rope_table_rows(rotary, size: int) -> torch.Tensor:
 
 
 class CpuFusedOps:
-    """A model's per-token ops (rms_norm, rope, silu_mul) as fused C kernels, plus kv_store for the attention
-    backend. Inputs the kernels do not cover (another device or dtype, mixed dtypes, the dense [B, L, H, D] layout)
-    take `fallback`, an object with the same three ops (the model's torch ops)."""
+    """A model's per-token ops (TorchOps' five) as fused C kernels, plus kv_store for the attention backend. Inputs
+    the kernels do not cover (another device or dtype, mixed dtypes, the dense [B, L, H, D] layout) take
+    `fallback`, an object with the same ops (the model's torch ops)."""
 
     def __init__(self, lib: ctypes.CDLL, fallback):
         self.lib, self.fallback = lib, fallback
@@ -131,6 +151,18 @@ class CpuFusedOps:
         """-> (weight * norm(x + residual), x + residual) (x alone when residual is None)."""
         if not _ours(x, weight) or (residual is not None and residual.dtype != x.dtype):
             return self.fallback.rms_norm(x, residual, weight, eps)
+        return self._norm(self.lib.add_rms_norm, x, residual, weight, eps)
+
+    # fp32_norm - as rms_norm; the normed x times (offset + weight) in fp32, rounded once; centered: LayerNorm's
+    def fp32_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  offset: float, centered: bool):
+        if not _ours(x, weight) or (residual is not None and residual.dtype != x.dtype):
+            return self.fallback.fp32_norm(x, residual, weight, eps, offset, centered)
+        return self._norm(self.lib.add_fp32_norm, x, residual, weight, eps, offset, int(centered))
+
+    def _norm(self, kernel, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+              *scaling) -> tuple[torch.Tensor, torch.Tensor]:
+        """One of the two norm kernels (their leading arguments, then `scaling`, dtype and threads)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n, xs = _rows(x2)
@@ -139,13 +171,13 @@ class CpuFusedOps:
         if residual is not None:
             residual = residual.contiguous()
             if residual.shape != shape:
-                raise ValueError(f"rms_norm: residual {tuple(residual.shape)} is not x's {tuple(shape)}")
+                raise ValueError(f"{kernel.__name__}: residual {tuple(residual.shape)} is not x's {tuple(shape)}")
             total = torch.empty(shape, dtype=x.dtype)
         if weight.shape != (shape[-1],) or not weight.is_contiguous():
-            raise ValueError(f"rms_norm: weight must be contiguous [{shape[-1]}], got {tuple(weight.shape)}")
-        self.lib.add_rms_norm(x2.data_ptr(), xs, None if residual is None else residual.data_ptr(),
-                              None if residual is None else total.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                              n, shape[-1], eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
+            raise ValueError(f"{kernel.__name__}: weight must be contiguous [{shape[-1]}], got {tuple(weight.shape)}")
+        kernel(x2.data_ptr(), xs, None if residual is None else residual.data_ptr(),
+               None if residual is None else total.data_ptr(), weight.data_ptr(), out.data_ptr(), n, shape[-1], eps,
+               *scaling, DTYPE_CODES[x.dtype], torch.get_num_threads())
         return out.view(shape), total
 
     # rope_table - positions int [T], rotary (its inv_freq fp32 [R/2]) -> fp32 [P, R], P > max(positions)
@@ -191,15 +223,25 @@ class CpuFusedOps:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not _ours(gate, up):
             return self.fallback.silu_mul(gate, up)
+        return self._gated(self.lib.silu_mul, gate, up)
+
+    # gelu_tanh_mul - as silu_mul, gelu's tanh approximation for silu
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not _ours(gate, up):
+            return self.fallback.gelu_tanh_mul(gate, up)
+        return self._gated(self.lib.gelu_tanh_mul, gate, up)
+
+    @staticmethod
+    def _gated(kernel, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         shape = gate.shape
         if up.shape != shape:
-            raise ValueError(f"silu_mul: gate {tuple(shape)} and up {tuple(up.shape)} differ")
+            raise ValueError(f"{kernel.__name__}: gate {tuple(shape)} and up {tuple(up.shape)} differ")
         g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
         n, gs = _rows(g2)
         _, us = _rows(u2)
         out = torch.empty(g2.shape, dtype=gate.dtype)
-        self.lib.silu_mul(g2.data_ptr(), gs, u2.data_ptr(), us, out.data_ptr(), n, shape[-1],
-                          DTYPE_CODES[gate.dtype], torch.get_num_threads())
+        kernel(g2.data_ptr(), gs, u2.data_ptr(), us, out.data_ptr(), n, shape[-1], DTYPE_CODES[gate.dtype],
+               torch.get_num_threads())
         return out.view(shape)
 
     # kv_store - k, v [T, Hkv, D] (tokens at any stride) -> k_cache, v_cache [NB, BS, Hkv, D] contiguous at flat

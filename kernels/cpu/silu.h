@@ -1,6 +1,6 @@
 /* silu(a) * u in fp32, shared by fused.c's silu_mul and the gate/up epilogues of gemm.c, gemv.c and rowwise_gemm.c
-   so all round alike. With -std=c11 gcc does not contract a * b + c into an FMA, so the vectorised and scalar forms
-   give the same bits. */
+   so all round alike, and gelu(a) * u (fused.c's gelu_tanh_mul). With -std=c11 gcc does not contract a * b + c
+   into an FMA, so the vectorised and scalar forms give the same bits. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -18,6 +18,13 @@ static inline float recip(float x) {
 }
 
 static inline float silu_times(float a, float u) { return a * u * recip(1.f + exp_approx(-a)); }
+
+/* gelu(a) (its tanh approximation, Gemma's GeGLU) * u: 0.5 a (1 + tanh(y)) is a * sigmoid(2y), with
+   y = sqrt(2/pi) (a + 0.044715 a^3) */
+static inline float gelu_tanh_times(float a, float u) {
+  const float two_y = 1.5957691216057308f * (a + 0.044715f * a * a * a);
+  return a * u * recip(1.f + exp_approx(-two_y));
+}
 
 /* the gate/up epilogue of the GEMMs and the GEMV: both fp32 products rounded to bf16 first (as the unfused
    projections' bf16 outputs are), then silu(gate) * up */

@@ -1,4 +1,4 @@
-# layer_ops - a model's per-token ops on CUDA (TorchOps' contract: rms_norm, rope, silu_mul) on the Triton kernels
+# layer_ops - a model's per-token ops on CUDA (TorchOps' contract) on the Triton kernels where they have one
 """TritonOps: the CUDA counterpart of kernels/cpu/fused.py's CpuFusedOps, set by serving on CUDA (serve/prepare.py).
 
   rms_norm  the residual add and the RMSNorm in one launch (rmsnorm.py), where torch runs about eight kernels
@@ -54,6 +54,15 @@ class TritonOps:
         if not _ours(gate, up) or gate.shape != up.shape:
             return self.fallback.silu_mul(gate, up)
         return silu_gate(gate, up)
+
+    def fp32_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                  offset: float, centered: bool):
+        """No kernel yet (OLMo 2's, Gemma's and Cohere's norms): the fallback's."""
+        return self.fallback.fp32_norm(x, residual, weight, eps, offset, centered)
+
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """No kernel yet (Gemma's GeGLU): the fallback's."""
+        return self.fallback.gelu_tanh_mul(gate, up)
 
 
 def _ours(x: torch.Tensor, other: torch.Tensor) -> bool:

@@ -30,6 +30,20 @@ class TorchOps:
         return weight * x32.to(x.dtype), x
 
     @staticmethod
+    def fp32_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, offset: float,
+                  centered: bool):
+        """-> ((offset + weight) * norm(x + residual), x + residual), the product in fp32 before one rounding to x's
+        dtype (HF's OLMo 2 and Gemma order, unlike Llama's round-then-scale); centered: x - mean(x) normed (Cohere's
+        LayerNorm without bias)."""
+        if residual is not None:
+            x = residual + x
+        x32 = x.float()
+        if centered:
+            x32 = x32 - x32.mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (x32 * (offset + weight.float())).to(x.dtype), x
+
+    @staticmethod
     def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: "RotaryEmbedding"):
         """q [*lead, Hq, D], k [*lead, Hkv, D] at positions [*lead] (or [L] shared by a batch) -> rotated q, k."""
         cos, sin = rotary(positions, q.dtype)
@@ -40,6 +54,10 @@ class TorchOps:
     @staticmethod
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
+
+    @staticmethod
+    def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class RMSNorm(nn.Module):
@@ -63,26 +81,21 @@ class RMSNorm(nn.Module):
 
 class Fp32RMSNorm(RMSNorm):
     """y = (weight_offset + w) * norm(x) with the whole product in fp32 before one rounding to x's dtype (HF's OLMo 2
-    and Gemma order, unlike Llama's round-then-scale); plain torch, as the fused ops round like Llama."""
+    and Gemma order, unlike Llama's round-then-scale), through `ops` (fp32_norm)."""
+
+    centered = False  # x - mean(x) normed (LayerNorm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (self.weight_offset + self.weight.float())).to(x.dtype)
+        return self.ops.fp32_norm(x, None, self.weight, self.eps, self.weight_offset, self.centered)[0]
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        total = residual + x
-        return self(total), total
+        return self.ops.fp32_norm(x, residual, self.weight, self.eps, self.weight_offset, self.centered)
 
 
 class Fp32LayerNorm(Fp32RMSNorm):
     """y = w * (x - mean(x)) / sqrt(var(x) + eps), no bias (Cohere's LayerNorm): in fp32, rounded once."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 - x32.mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (self.weight_offset + self.weight.float())).to(x.dtype)
+    centered = True
 
 
 class OffsetRMSNorm(Fp32RMSNorm):
@@ -265,4 +278,4 @@ class GeGLUMLP(GatedMLP):
     """GeGLU (Gemma): gelu with the tanh approximation instead of silu; not an MLP, so no SiLU fusion applies."""
 
     def activated(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)
+        return self.ops.gelu_tanh_mul(self.gate_proj(x), self.up_proj(x))

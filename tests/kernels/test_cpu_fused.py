@@ -54,15 +54,37 @@ def test_add_rms_norm(ops, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset, centered", [(0.0, False), (1.0, False), (0.0, True)])  # OLMo 2, Gemma, Cohere
+def test_fp32_norm(ops, dtype, offset, centered):
+    gen = torch.Generator().manual_seed(int(offset) + 2 * centered)
+    x = (3 + torch.randn(9, 200, generator=gen)).to(dtype)[:, 8:104]  # strided rows, far from zero mean
+    residual = torch.randn(9, 96, generator=gen).to(dtype)
+    weight = (0.1 * torch.randn(96, generator=gen)).to(dtype)
+    got, total = ops.fp32_norm(x, residual, weight, 1e-6, offset, centered)
+    want, want_total = TorchOps.fp32_norm(x, residual, weight, 1e-6, offset, centered)
+    assert torch.equal(total, want_total)
+    close(got, want, dtype)
+    ref, _ = fused.add_fp32_norm_ref(x, residual, weight, 1e-6, offset, centered)
+    close(got, ref, dtype)
+    alone, same = ops.fp32_norm(x, None, weight, 1e-6, offset, centered)
+    assert same is x
+    close(alone, TorchOps.fp32_norm(x, None, weight, 1e-6, offset, centered)[0], dtype)
+    if centered:  # the mean is subtracted: a shifted row norms alike
+        close(ops.fp32_norm(x + 5, None, weight, 1e-6, offset, centered)[0], alone, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_silu_mul(ops, dtype, rows):
+@pytest.mark.parametrize("act", ["silu_mul", "gelu_tanh_mul"])
+def test_gated_activations(ops, dtype, rows, act):
     gen = torch.Generator().manual_seed(rows)
     gate_up = (6 * torch.randn(rows, 2 * 80, generator=gen)).to(dtype)  # [T, 2I]: gate | up, strided halves
     gate, up = gate_up[:, :80], gate_up[:, 80:]
-    close(ops.silu_mul(gate, up), TorchOps.silu_mul(gate, up), dtype)
-    close(ops.silu_mul(gate, up), fused.silu_mul_ref(gate, up), dtype)
+    kernel, torch_op, ref = getattr(ops, act), getattr(TorchOps, act), getattr(fused, f"{act}_ref")
+    close(kernel(gate, up), torch_op(gate, up), dtype)
+    close(kernel(gate, up), ref(gate, up), dtype)
     extreme = torch.tensor([[-200.0, -90.0, -1e-3, 0.0, 1e-3, 90.0, 200.0]]).to(dtype)
-    close(ops.silu_mul(extreme, torch.ones_like(extreme)), TorchOps.silu_mul(extreme, torch.ones_like(extreme)), dtype)
+    close(kernel(extreme, torch.ones_like(extreme)), torch_op(extreme, torch.ones_like(extreme)), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -104,11 +126,14 @@ def test_kv_store_equals_index_copy(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_with_fused_ops_matches_torch_ops(ops, dtype):
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "olmo2", "cohere"])  # + (1 + w) norms, GeGLU; fp32 norms
+def test_model_with_fused_ops_matches_torch_ops(ops, dtype, model_type):
     """The dense path (rope falls back to torch for [B, L, H, D]) and the flat paged layout both agree."""
-    cfg = ModelConfig.from_hf(tiny_hf_config("llama"))
+    cfg = ModelConfig.from_hf(tiny_hf_config(model_type))
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(dtype).eval()
+    for norm in (m for m in model.modules() if hasattr(m, "weight_offset")):  # not the init's ones: w matters
+        torch.nn.init.normal_(norm.weight, 1.0, 0.2)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     with torch.no_grad():
         want = model(ids)
