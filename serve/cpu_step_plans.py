@@ -6,15 +6,18 @@ Per step the host work is six small copies into the input buffers (token ids, po
 sequence lengths) and one call; the forward it replaces spent ~0.3 ms of Python per layer (issue 19: 5 ms of a
 10 ms batch-1 W4 step on the bundled model). The recorded calls are the very kernels the eager forward calls, with
 the same inputs and rounding, in the same order: the logits are the eager path's bit for bit (bf16, the only
-dtype plans run in; tests/serve/test_cpu_step_plans.py). Per layer (Llama's pre-norm block):
-  [resid += down (layer > 0)]  normed = norm(resid)  qkv = linear(normed) [+ bias]  [q, k = q_norm, k_norm]
-  [rope(q, k) unless NoPE]  kv_store(k, v)  attn = paged attention(q)  o = linear(attn)
-  normed = norm(o + resid -> resid)  act = silu(gate(normed)) * up(normed)  down = linear(act)
-then resid += down, normed = norm(resid), logits = lm_head(normed). A model or batch size the kernels do not
-cover (unsupported() and Plans.plan say which) runs eagerly, as before; an lm_head without a C kernel (oneDNN's,
-outside batch-invariant serving) runs after the replay, on the final-normed rows. Granite's multipliers are scale
-calls (the embeddings after the gather, o and down before their adds), its logits scaling runs after the replay
-(CausalLM.finish_logits, as Gemma's soft-cap).
+dtype plans run in; tests/serve/test_cpu_step_plans.py). Per layer, the block's sublayer_norms in brackets
+(models/blocks.py; Llama's pre-norm block has the attention-input and MLP-input ones):
+  [x = norm(resid)]  qkv = linear(x) [+ bias]  [q, k = q_norm, k_norm]  [rope(q, k) unless NoPE]
+  [q, k = q_norm, k_norm after RoPE]  kv_store(k, v)  attn = paged attention(q)  o = linear(attn)  [o = norm(o)]
+  [x = norm(o + resid -> resid)] or resid += o  act = act(gate(x)) * up(x)  down = linear(act)  [down = norm(down)]
+  resid += down
+(a parallel block's MLP reads the attention's x), then normed = norm(resid), logits = lm_head(normed). The norms
+are RMSNorm's C kernel, or add_fp32_norm for the ones rounded once from fp32 (Gemma's, OLMo's, Cohere's
+LayerNorm). A model or batch size the kernels do not cover (unsupported() and Plans.plan say which) runs eagerly,
+as before; an lm_head without a C kernel (oneDNN's, outside batch-invariant serving) runs after the replay, on the
+final-normed rows. Gemma's embedding scale and Granite's multipliers are scale calls (the embeddings after the
+gather, o and down before their adds); logits scaling and soft-caps run after the replay (CausalLM.finish_logits).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from quantkit.kernels.cpu.fused import CpuFusedOps, rope_table_rows
 from quantkit.kernels.cpu.step_plan import Plan
 from quantkit.models.attention import Attention, kernel_servable
 from quantkit.models.blocks import DecoderLayer
-from quantkit.models.layers import MLP, RMSNorm
+from quantkit.models.layers import MLP, Fp32LayerNorm, Fp32RMSNorm, GeGLUMLP, OffsetRMSNorm, RMSNorm
 from quantkit.quant.qlinear import QLinear, packed_kernel
 from quantkit.serve.attention import TorchPagedAttention
 from quantkit.serve.cpu_linear import FusedLinear, PackedLinear
@@ -41,6 +44,8 @@ log = logging.getLogger("quantkit.serve")
 MAX_PLAN_BATCH = 64  # sequences: above, a step's Python is a small share of its kernels and the buffers grow
 # the W4/W8 kernels of qlinear.packed_kernel, by name, as a plan records them
 _PLAN_KERNELS = {"gemv": Plan.qgemv, "rowwise": Plan.rowwise_qgemm, "amx": Plan.qgemm}
+_NORMS = (RMSNorm, Fp32RMSNorm, OffsetRMSNorm, Fp32LayerNorm)  # the norm classes the C kernels compute exactly
+_GATED = {MLP: Plan.silu_mul, GeGLUMLP: Plan.gelu_tanh_mul}  # the MLPs of separate gate and up linears
 
 
 def unsupported(runner) -> Optional[str]:
@@ -55,10 +60,8 @@ def unsupported(runner) -> Optional[str]:
     attn = runner.attn
     if not isinstance(attn, TorchPagedAttention):
         return f"the {type(attn).__name__} backend"
-    if model.family.embed_scale:
-        return f"{model.family.name}'s embedding scale"
-    if type(model.model.norm) is not RMSNorm:
-        return f"{model.family.name}'s final norm ({type(model.model.norm).__name__}: the C norm rounds like RMSNorm)"
+    if type(model.model.norm) not in _NORMS:
+        return f"{model.family.name}'s final norm ({type(model.model.norm).__name__})"
     for i, layer in enumerate(model.model.layers):
         reason = _layer_unsupported(layer, attn, i)
         if reason is not None:
@@ -68,16 +71,17 @@ def unsupported(runner) -> Optional[str]:
 
 def _layer_unsupported(layer, attn: TorchPagedAttention, i: int) -> Optional[str]:
     sa = layer.self_attn
-    if type(layer) is not DecoderLayer:
-        return f"{type(layer).__name__} (plans record Llama's pre-norm DecoderLayer)"
-    if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
-        return f"{type(layer.input_layernorm).__name__} (a pre-norm block with RMSNorm)"
-    if type(sa) not in (Attention, FusedAttention) or (sa.q_norm is not None and type(sa.q_norm) is not RMSNorm):
+    if not isinstance(layer, DecoderLayer):
+        return f"{type(layer).__name__} (plans record the blocks of models/blocks.py)"
+    norms = [getattr(layer, name) for name in layer.sublayer_norms if name] + (
+        [sa.q_norm, sa.k_norm] if sa.q_norm is not None else [])
+    for norm in norms:
+        if type(norm) not in _NORMS:
+            return f"{type(norm).__name__} (a norm the C kernels compute)"
+    if type(sa) not in (Attention, FusedAttention):
         return f"{type(sa).__name__}"
-    if type(layer.ffn) not in (MLP, FusedMLP):
-        return f"{type(layer.ffn).__name__} (a SiLU MLP)"
-    if sa.q_norm is not None and sa.qk_norm_after_rope:
-        return "q/k norms after RoPE (plans norm before it)"
+    if type(layer.ffn) not in (*_GATED, FusedMLP):
+        return f"{type(layer.ffn).__name__} (a SiLU or GeGLU MLP)"
     if sa.query_scale is not None:
         return "a query scale by position (Ministral 3's llama_4_scaling_beta)"
     if layer.rotary is not None and layer.rotary.long_inv_freq is not None:
@@ -167,31 +171,58 @@ class Plans:
     def _record(self, plan: Plan, n: int) -> bool:
         model = self.runner.model
         h = model.config.hidden_size
-        resid, normed = self._buffer("resid", h)[:n], self._buffer("normed", h)[:n]
-        down = None
+        resid = self._buffer("resid", h)[:n]
         plan.copy_rows(model.model.embed_tokens.weight, self.input_ids[:n], resid)
-        if model.config.embedding_multiplier != 1.0:  # CausalLM.embed's product
+        embed_scale = model.embedding_scale(torch.bfloat16)
+        if embed_scale is not None:  # CausalLM.embed's products
+            plan.scale_rows(resid, embed_scale)
+        if model.config.embedding_multiplier != 1.0:
             plan.scale_rows(resid, model.config.embedding_multiplier)
         for i, layer in enumerate(model.model.layers):
-            if down is not None:
-                plan.add_rows(resid, down)
-            norm = layer.input_layernorm
-            plan.add_rms_norm(resid, None, None, norm.weight, normed, norm.eps)
-            o = self._attention(plan, layer.self_attn, i, layer.rotary, normed)
-            if o is None:
+            if not self._block(plan, layer, i, resid):
                 return False
-            self._residual(plan, layer, o)
-            norm = layer.post_attention_layernorm
-            plan.add_rms_norm(o, resid, resid, norm.weight, normed, norm.eps)
-            down = self._mlp(plan, layer.ffn, normed)
-            if down is None:
-                return False
-            self._residual(plan, layer, down)
-        plan.add_rows(resid, down)
-        plan.add_rms_norm(resid, None, None, model.model.norm.weight, normed, model.model.norm.eps)
+        normed = self._buffer("normed", h)[:n]
+        self._norm(plan, model.model.norm, resid, None, normed)
         if not self._linear(plan, model.lm_head, normed, self._buffer("logits", self.vocab)[:n]):
             self.eager_head.add(n)  # oneDNN's lm_head (no C entry point): called after the replay
         return True
+
+    def _block(self, plan: Plan, layer, i: int, resid: torch.Tensor) -> bool:
+        """resid [n, H] = layer(resid), as the block's forward computes it from its sublayer_norms."""
+        n, h = resid.shape
+        attn_in, attn_out, mlp_in, mlp_out = (name and getattr(layer, name) for name in layer.sublayer_norms)
+        x = resid
+        if attn_in is not None:
+            x = self._norm(plan, attn_in, resid, None, self._buffer("normed", h)[:n])
+        o = self._attention(plan, layer.self_attn, i, layer.rotary, x)
+        if o is None:
+            return False
+        self._residual(plan, layer, o)
+        if attn_out is not None:
+            o = self._norm(plan, attn_out, o, None, self._buffer("o_normed", h)[:n])
+        if mlp_in is not None:  # x = norm(o + resid), resid = o + resid
+            x = self._norm(plan, mlp_in, o, resid, self._buffer("normed", h)[:n])
+        else:
+            plan.add_rows(resid, o)
+            x = x if layer.parallel else resid
+        down = self._mlp(plan, layer.ffn, x)
+        if down is None:
+            return False
+        self._residual(plan, layer, down)
+        if mlp_out is not None:
+            down = self._norm(plan, mlp_out, down, None, self._buffer("down_normed", h)[:n])
+        plan.add_rows(resid, down)
+        return True
+
+    @staticmethod
+    def _norm(plan: Plan, norm, x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor):
+        """out = norm(x + residual), residual = x + residual in place (None: out = norm(x)), as norm's forward and
+        add_and_norm compute it (a class of _NORMS) -> out."""
+        if type(norm) is RMSNorm:
+            plan.add_rms_norm(x, residual, residual, norm.weight, out, norm.eps)
+        else:
+            plan.add_fp32_norm(x, residual, residual, norm.weight, out, norm.eps, norm.weight_offset, norm.centered)
+        return out
 
     @staticmethod
     def _residual(plan: Plan, layer, y: torch.Tensor) -> None:
@@ -211,16 +242,14 @@ class Plans:
             q, k, v = (self._buffer(name, heads * d)[:n] for name, heads in (("q", hq), ("k", hkv), ("v", hkv)))
             if not all(self._linear(plan, lin, x, y) for lin, y in ((sa.q_proj, q), (sa.k_proj, k), (sa.v_proj, v))):
                 return None
+        if sa.q_norm is not None and not sa.qk_norm_after_rope:
+            q, k = self._qk_norms(plan, sa, q, k)
         q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
-        if sa.q_norm is not None:  # per token: its heads are rows at stride d
-            qn, kn = self._buffer("q_normed", hq * d)[:n].view(n, hq, d), self._buffer("k_normed", hkv * d)[:n]
-            kn = kn.view(n, hkv, d)
-            for t in range(n):
-                plan.add_rms_norm(q[t], None, None, sa.q_norm.weight, qn[t], sa.q_norm.eps)
-                plan.add_rms_norm(k[t], None, None, sa.k_norm.weight, kn[t], sa.k_norm.eps)
-            q, k = qn, kn
         if rotary is not None:  # None: a NoPE layer, no rope call recorded
             plan.rope(q, k, self.positions[:n], self._table(rotary))
+        if sa.q_norm is not None and sa.qk_norm_after_rope:
+            q, k = self._qk_norms(plan, sa, q.flatten(1), k.flatten(1))
+            q, k = q.view(n, hq, d), k.view(n, hkv, d)
         k_cache, v_cache = self.runner.attn.kv_caches[i]
         plan.kv_store(k, v, k_cache, v_cache, self.slots[:n])
         if not q.is_contiguous():
@@ -237,6 +266,21 @@ class Plans:
         o = self._buffer("o", sa.o_proj.out_features)[:n]
         return o if self._linear(plan, sa.o_proj, out, o) else None
 
+    def _qk_norms(self, plan: Plan, sa, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, Hq * D], k [n, Hkv * D] (rows at stride) -> (q_norm(q), k_norm(k)) in contiguous buffers, each over
+        its norm's width: per head, recorded token by token (heads are rows at stride D), or whole rows (OLMo 2)."""
+        normed = []
+        for x, norm, name in ((q, sa.q_norm, "q_normed"), (k, sa.k_norm, "k_normed")):
+            n, width = x.shape[0], norm.weight.shape[0]
+            out = self._buffer(name, x.shape[1])[:n]
+            if width == x.shape[1]:
+                self._norm(plan, norm, x, None, out)
+            else:
+                for t in range(n):
+                    self._norm(plan, norm, x[t].view(-1, width), None, out[t].view(-1, width))
+            normed.append(out)
+        return normed[0], normed[1]
+
     def _mlp(self, plan: Plan, mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
         n, inter = x.shape[0], mlp.down_proj.in_features
         act = self._buffer("act", inter)[:n]
@@ -247,7 +291,7 @@ class Plans:
             gate, up = self._buffer("gate", inter)[:n], self._buffer("up", inter)[:n]
             if not (self._linear(plan, mlp.gate_proj, x, gate) and self._linear(plan, mlp.up_proj, x, up)):
                 return None
-            plan.silu_mul(gate, up, act)
+            _GATED[type(mlp)](plan, gate, up, act)
         down = self._buffer("down", mlp.down_proj.out_features)[:n]
         return down if self._linear(plan, mlp.down_proj, act, down) else None
 

@@ -25,7 +25,8 @@ from quantkit.kernels.cpu.gemm import _FUSED_MAX_M, _check_quantized, _check_vnn
 
 OP_WORDS = 20  # step_plan.c's OP_WORDS: kind, function, up to 18 arguments
 KINDS = ["add_rms_norm", "rope", "silu_mul", "kv_store", "qgemv", "rowwise_gemm", "paged_decode", "paged_rows",
-         "copy_rows", "add_rows", "rowwise_qgemm", "gemm_bf16", "qgemm", "scale_rows"]  # step_plan.c's enum, in order
+         "copy_rows", "add_rows", "rowwise_qgemm", "gemm_bf16", "qgemm", "scale_rows", "add_fp32_norm",
+         "gelu_tanh_mul"]  # step_plan.c's enum, in order
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"run_plan": [_P, _INT, _INT], "copy_rows": [_P, _I64, _P, _P, _I64, _INT, _I64],
               "add_rows": [_P, _I64, _P, _I64, _INT, _INT], "scale_rows": [_P, _I64, ctypes.c_float, _INT, _INT]}
@@ -106,14 +107,22 @@ class Plan:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, total: torch.Tensor | None,
                      weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
         """out = weight * norm(x + residual), total = x + residual (residual may be total: in place)."""
+        self._norm("add_rms_norm", x, residual, total, weight, out, eps)
+
+    # add_fp32_norm - as add_rms_norm, the normed value times (offset + weight) in fp32 (centered: LayerNorm's)
+    def add_fp32_norm(self, x: torch.Tensor, residual: torch.Tensor | None, total: torch.Tensor | None,
+                      weight: torch.Tensor, out: torch.Tensor, eps: float, offset: float, centered: bool) -> None:
+        self._norm("add_fp32_norm", x, residual, total, weight, out, eps, _bits(offset), int(centered))
+
+    def _norm(self, kind: str, x, residual, total, weight, out, eps: float, *scaling: int) -> None:
         n, xs = fused._rows(x)
         h = x.shape[-1]
         for t in (out, weight) + ((residual, total) if residual is not None else ()):
             if t.dtype != x.dtype or not t.is_contiguous() or t.shape[-1] != h:
-                raise ValueError(f"add_rms_norm: {tuple(t.shape)} {t.dtype} is not a contiguous [.., {h}] {x.dtype}")
-        self._record("add_rms_norm", self._fused,
+                raise ValueError(f"{kind}: {tuple(t.shape)} {t.dtype} is not a contiguous [.., {h}] {x.dtype}")
+        self._record(kind, self._fused,
                      [x.data_ptr(), xs, _ptr(residual), _ptr(total), weight.data_ptr(), out.data_ptr(), n, h,
-                      _bits(eps), DTYPE_CODES[x.dtype]], x, residual, total, weight, out)
+                      _bits(eps), *scaling, DTYPE_CODES[x.dtype]], x, residual, total, weight, out)
 
     # rope - q [n, Hq, D], k [n, Hk, D] (tokens at stride, heads contiguous), positions int64 [n], table fp32 [P, R]
     #        (R <= D: the first R dims of each head rotate)
@@ -131,12 +140,19 @@ class Plan:
 
     # silu_mul - gate, up [n, I] (rows at stride) -> out [n, I] contiguous
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+        self._gated("silu_mul", gate, up, out)
+
+    # gelu_tanh_mul - as silu_mul, with gelu's tanh approximation
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+        self._gated("gelu_tanh_mul", gate, up, out)
+
+    def _gated(self, kind: str, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
         n, gs = fused._rows(gate)
         _, us = fused._rows(up)
         if up.shape != gate.shape or out.shape != gate.shape or not out.is_contiguous():
-            raise ValueError(f"silu_mul: gate {tuple(gate.shape)}, up {tuple(up.shape)}, out {tuple(out.shape)}")
-        self._record("silu_mul", self._fused, [gate.data_ptr(), gs, up.data_ptr(), us, out.data_ptr(), n,
-                                                        gate.shape[1], DTYPE_CODES[gate.dtype]], gate, up, out)
+            raise ValueError(f"{kind}: gate {tuple(gate.shape)}, up {tuple(up.shape)}, out {tuple(out.shape)}")
+        self._record(kind, self._fused, [gate.data_ptr(), gs, up.data_ptr(), us, out.data_ptr(), n,
+                                         gate.shape[1], DTYPE_CODES[gate.dtype]], gate, up, out)
 
     # kv_store - k, v [n, Hkv, D] (tokens at stride) -> caches [NB, BS, Hkv, D] at slots int64 [n]
     def kv_store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -15,13 +15,17 @@ class DecoderLayer(nn.Module):
     """Pre-norm block (Llama): x += attn(input_layernorm(x)); x += ffn(post_attention_layernorm(x)), each sublayer's
     output times cfg.residual_multiplier before its add (Granite; 1 elsewhere). The ffn is the family's MLP, or its
     MoE block in cfg.sparse_layers, under the family's attribute name (`mlp`; Mixtral: `block_sparse_moe`). A
-    subclass changes `norms` (the family norms over hidden it holds, by checkpoint name) and forward."""
+    subclass changes `sublayer_norms` and forward, which follows it (the CPU decode step plans record a block from
+    it: serve/cpu_step_plans.py)."""
 
-    norms = ("input_layernorm", "post_attention_layernorm")
+    # the checkpoint names of the family norms over hidden the block holds, by where they act: the attention's
+    # input, its output (before the residual add), the MLP's input (fused with that add), its output; None: no norm
+    sublayer_norms = ("input_layernorm", None, "post_attention_layernorm", None)
+    parallel = False  # the MLP reads the attention's normed input, not the residual stream after attention (Cohere)
 
     def __init__(self, cfg, layer_idx: int, linear_cls: Callable[..., nn.Module], family):
         super().__init__()
-        for name in self.norms:
+        for name in filter(None, self.sublayer_norms):
             setattr(self, name, family.norm(cfg.hidden_size, cfg.rms_norm_eps))
         self.self_attn = Attention(cfg, layer_idx, linear_cls, family.norm if family.qk_norm else None,
                                    family.qk_norm_whole, family.qk_norm_after_rope)
@@ -54,7 +58,8 @@ class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2/3: each sublayer's output is normed before the residual add, and the MLP has its own input norm:
     x += post_attention_layernorm(attn(input_layernorm(x))); x += post_ff_norm(mlp(pre_ff_norm(x)))."""
 
-    norms = DecoderLayer.norms + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    sublayer_norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, self.rotary, attn))
@@ -66,7 +71,7 @@ class Glm4DecoderLayer(DecoderLayer):
     x += post_self_attn_layernorm(attn(input_layernorm(x)));
     x += post_mlp_layernorm(mlp(post_attention_layernorm(x)))."""
 
-    norms = DecoderLayer.norms + ("post_self_attn_layernorm", "post_mlp_layernorm")
+    sublayer_norms = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
         x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), positions, self.rotary, attn))
@@ -77,7 +82,8 @@ class ParallelDecoderLayer(DecoderLayer):
     """Cohere: attention and MLP read the same normed input, side by side: h = input_layernorm(x);
     x += attn(h) + mlp(h) (summed in that order, as transformers does)."""
 
-    norms = ("input_layernorm",)
+    sublayer_norms = ("input_layernorm", None, None, None)
+    parallel = True
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
         h = self.input_layernorm(x)
@@ -88,7 +94,7 @@ class PostNormDecoderLayer(DecoderLayer):
     """OLMo 2: no input norms; each sublayer's output is normed before the residual add:
     x += post_attention_layernorm(attn(x)); x += post_feedforward_layernorm(ffn(x))."""
 
-    norms = ("post_attention_layernorm", "post_feedforward_layernorm")
+    sublayer_norms = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Optional[AttentionBackend] = None):
         x = x + self.post_attention_layernorm(self.self_attn(x, positions, self.rotary, attn))

@@ -65,11 +65,18 @@ class CausalLM(nn.Module):
         """input_ids [...] -> the first block's input [..., H] (Gemma: times sqrt(H) rounded to the dtype; Granite:
         times embedding_multiplier, the product rounded to the dtype)."""
         x = self.model.embed_tokens(input_ids)
-        if self.family.embed_scale:
-            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)  # as HF rounds it
+        scale = self.embedding_scale(x.dtype)
+        if scale is not None:
+            x = x * torch.tensor(scale, dtype=x.dtype)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
         return x
+
+    def embedding_scale(self, dtype: torch.dtype) -> Optional[float]:
+        """Gemma's embedding scale sqrt(H), rounded to `dtype` as HF rounds it; None for the other families."""
+        if not self.family.embed_scale:
+            return None
+        return float(torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(dtype))
 
     def hidden(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                attn: Optional[AttentionBackend] = None) -> torch.Tensor:
