@@ -9,7 +9,7 @@ the same inputs and rounding, in the same order: the logits are the eager path's
 dtype plans run in; tests/serve/test_cpu_step_plans.py). Per layer, the block's sublayer_norms in brackets
 (models/blocks.py; Llama's pre-norm block has the attention-input and MLP-input ones):
   [x = norm(resid)]  qkv = linear(x) [+ bias]  [q, k = q_norm, k_norm]  [rope(q, k) unless NoPE]
-  [q, k = q_norm, k_norm after RoPE]  kv_store(k, v)  attn = paged attention(q)  o = linear(attn)  [o = norm(o)]
+  [q, k = q_norm, k_norm after RoPE]  [q *= query scale at its position]  kv_store(k, v)  attn = paged attention(q)  o = linear(attn)  [o = norm(o)]
   [x = norm(o + resid -> resid)] or resid += o  act = act(gate(x)) * up(x)  down = linear(act)  [down = norm(down)]
   resid += down
 (a parallel block's MLP reads the attention's x), then normed = norm(resid), logits = lm_head(normed). The norms
@@ -31,7 +31,7 @@ from quantkit.kernels.cpu import logits as cpu_logits
 from quantkit.kernels.cpu import step_plan
 from quantkit.kernels.cpu.fused import CpuFusedOps, rope_table_rows
 from quantkit.kernels.cpu.step_plan import Plan
-from quantkit.models.attention import Attention, kernel_servable
+from quantkit.models.attention import Attention, kernel_servable, position_scale
 from quantkit.models.blocks import DecoderLayer
 from quantkit.models.layers import MLP, Fp32LayerNorm, Fp32RMSNorm, GeGLUMLP, OffsetRMSNorm, RMSNorm
 from quantkit.quant.qlinear import QLinear, packed_kernel
@@ -82,8 +82,6 @@ def _layer_unsupported(layer, attn: TorchPagedAttention, i: int) -> Optional[str
         return f"{type(sa).__name__}"
     if type(layer.ffn) not in (*_GATED, FusedMLP):
         return f"{type(layer.ffn).__name__} (a SiLU or GeGLU MLP)"
-    if sa.query_scale is not None:
-        return "a query scale by position (Ministral 3's llama_4_scaling_beta)"
     if layer.rotary is not None and layer.rotary.long_inv_freq is not None:
         return "longrope's frequencies, not settled for one serving length"
     if attn.rows_kernel is None and (attn.decode_kernel is None or not kernel_servable(sa.spec)):
@@ -110,6 +108,7 @@ class Plans:
         self.row_seqs = torch.arange(top, dtype=i32)  # row r is sequence r
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self._rope: dict[int, torch.Tensor] = {}  # id(inv_freq) -> its table over every position
+        self._scales: dict[tuple[float, int], torch.Tensor] = {}  # query_scale -> _query_scales' table
         self._keep: list[torch.Tensor] = []  # bf16 copies the plans read (biases)
         self.plans: dict[int, Optional[Plan]] = {}
         self.eager_head: set[int] = set()  # batch sizes whose plan ends at the final norm
@@ -159,6 +158,13 @@ class Plans:
         if id(rotary.inv_freq) not in self._rope:
             self._rope[id(rotary.inv_freq)] = rope_table_rows(rotary, self.runner.max_model_len)
         return self._rope[id(rotary.inv_freq)]
+
+    def _query_scales(self, query_scale: tuple[float, int]) -> torch.Tensor:
+        """bf16 [max_model_len]: the query scale at every position, as Attention.forward rounds it."""
+        if query_scale not in self._scales:
+            positions = torch.arange(self.runner.max_model_len)
+            self._scales[query_scale] = position_scale(positions, *query_scale).to(torch.bfloat16)
+        return self._scales[query_scale]
 
     def _bf16(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if t is None:
@@ -250,6 +256,8 @@ class Plans:
         if sa.q_norm is not None and sa.qk_norm_after_rope:
             q, k = self._qk_norms(plan, sa, q.flatten(1), k.flatten(1))
             q, k = q.view(n, hq, d), k.view(n, hkv, d)
+        if sa.query_scale is not None:  # Ministral 3
+            plan.scale_rows_at(q.flatten(1), self.positions[:n], self._query_scales(sa.query_scale))
         k_cache, v_cache = self.runner.attn.kv_caches[i]
         plan.kv_store(k, v, k_cache, v_cache, self.slots[:n])
         if not q.is_contiguous():

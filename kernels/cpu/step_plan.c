@@ -11,7 +11,7 @@
 #define OP_WORDS 20
 enum { OP_ADD_RMS_NORM, OP_ROPE, OP_SILU_MUL, OP_KV_STORE, OP_QGEMV, OP_ROWWISE_GEMM, OP_PAGED_DECODE, OP_PAGED_ROWS,
        OP_COPY_ROWS, OP_ADD_ROWS, OP_ROWWISE_QGEMM, OP_GEMM_BF16, OP_QGEMM, OP_SCALE_ROWS, OP_ADD_FP32_NORM,
-       OP_GELU_TANH_MUL };
+       OP_GELU_TANH_MUL, OP_SCALE_ROWS_AT };
 
 /* the other libraries' kernels (fused.c, gemv.c, rowwise_gemm.c, gemm.c, paged_decode.c), as declared there;
    silu_mul_fn is fused.c's gelu_tanh_mul too */
@@ -62,6 +62,17 @@ void scale_rows(uint16_t* y, int64_t ys, float s, int n, int h) {
   }
 }
 
+/* y [n, h] bf16 (row stride ys): row t times table[index[t]] (bf16), each product rounded to bf16 once, as torch
+   rounds a bf16 tensor times a bf16 one (Ministral 3's query scale by position) */
+void scale_rows_at(uint16_t* y, int64_t ys, const int64_t* index, const uint16_t* table, int n, int h) {
+  for (int t = 0; t < n; t++) {
+    uint16_t* yr = y + t * ys;
+    const float s = bf16_to_f32(table[index[t]]);
+    #pragma omp simd
+    for (int i = 0; i < h; i++) yr[i] = f32_to_bf16(bf16_to_f32(yr[i]) * s);
+  }
+}
+
 static inline float bits_f32(int64_t v) { const uint32_t u = (uint32_t)v; float f; memcpy(&f, &u, 4); return f; }
 
 #define P(i) ((void*)a[i])
@@ -103,6 +114,7 @@ void run_plan(const int64_t* ops, int n, int threads) {
       case OP_COPY_ROWS: copy_rows(P(0), a[1], P(2), P(3), a[4], I(5), a[6]); break;
       case OP_ADD_ROWS: add_rows(P(0), a[1], P(2), a[3], I(4), I(5)); break;
       case OP_SCALE_ROWS: scale_rows(P(0), a[1], bits_f32(a[2]), I(3), I(4)); break;
+      case OP_SCALE_ROWS_AT: scale_rows_at(P(0), a[1], P(2), P(3), I(4), I(5)); break;
     }
   }
 }

@@ -26,10 +26,11 @@ from quantkit.kernels.cpu.gemm import _FUSED_MAX_M, _check_quantized, _check_vnn
 OP_WORDS = 20  # step_plan.c's OP_WORDS: kind, function, up to 18 arguments
 KINDS = ["add_rms_norm", "rope", "silu_mul", "kv_store", "qgemv", "rowwise_gemm", "paged_decode", "paged_rows",
          "copy_rows", "add_rows", "rowwise_qgemm", "gemm_bf16", "qgemm", "scale_rows", "add_fp32_norm",
-         "gelu_tanh_mul"]  # step_plan.c's enum, in order
+         "gelu_tanh_mul", "scale_rows_at"]  # step_plan.c's enum, in order
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"run_plan": [_P, _INT, _INT], "copy_rows": [_P, _I64, _P, _P, _I64, _INT, _I64],
-              "add_rows": [_P, _I64, _P, _I64, _INT, _INT], "scale_rows": [_P, _I64, ctypes.c_float, _INT, _INT]}
+              "add_rows": [_P, _I64, _P, _I64, _INT, _INT], "scale_rows": [_P, _I64, ctypes.c_float, _INT, _INT],
+              "scale_rows_at": [_P, _I64, _P, _P, _INT, _INT]}
 
 
 def _library():
@@ -265,3 +266,15 @@ class Plan:
         if y.dtype is not torch.bfloat16 or y.dim() != 2:
             raise ValueError(f"scale_rows: y {tuple(y.shape)} {y.dtype} (bf16 rows)")
         self._record("scale_rows", None, [y.data_ptr(), ys, _bits(s), n, y.shape[-1]], y)
+
+    # scale_rows_at - y [n, H] bf16 (rows at stride), index int64 [n], table bf16 [P] -> y[t] *= table[index[t]]
+    def scale_rows_at(self, y: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> None:
+        """Each product rounded once (torch's bf16 y times a bf16 tensor); index values must lie in [0, P)."""
+        n, ys = fused._rows(y)
+        if y.dtype is not torch.bfloat16 or y.dim() != 2 or table.dtype is not torch.bfloat16 or table.dim() != 1 \
+                or not table.is_contiguous() or index.shape != (n,) or index.dtype is not torch.int64 \
+                or not index.is_contiguous():
+            raise ValueError(f"scale_rows_at: y {tuple(y.shape)} {y.dtype} (bf16 rows), index {tuple(index.shape)} "
+                             f"{index.dtype} (int64 [n]), table {tuple(table.shape)} {table.dtype} (bf16 [P])")
+        self._record("scale_rows_at", None, [y.data_ptr(), ys, index.data_ptr(), table.data_ptr(), n, y.shape[-1]],
+                     y, index, table)
