@@ -7,6 +7,7 @@ The family files are imported here (below), so each registers its Family before 
 """
 
 from quantkit.models.attention import AttentionSpec, unsupported_by_paged_attention  # noqa: F401
+from quantkit.models.arcee import ARCEE  # noqa: F401
 from quantkit.models.config import ModelConfig  # noqa: F401
 from quantkit.models.cohere import COHERE, COHERE2  # noqa: F401
 from quantkit.models.ernie4_5 import ERNIE4_5  # noqa: F401
@@ -24,6 +25,7 @@ from quantkit.models.ministral3 import MINISTRAL3  # noqa: F401
 from quantkit.models.mistral import MISTRAL  # noqa: F401
 from quantkit.models.mixtral import MIXTRAL  # noqa: F401
 from quantkit.models.model import CausalLM  # noqa: F401
+from quantkit.models.nemotron import NEMOTRON  # noqa: F401
 from quantkit.models.olmo2 import OLMO2  # noqa: F401
 from quantkit.models.olmo3 import OLMO3  # noqa: F401
 from quantkit.models.phi3 import PHI3  # noqa: F401
@@ -33,3 +35,4 @@ from quantkit.models.qwen3 import QWEN3  # noqa: F401
 from quantkit.models.qwen3_moe import QWEN3_MOE  # noqa: F401
 from quantkit.models.seed_oss import SEED_OSS  # noqa: F401
 from quantkit.models.smollm3 import SMOLLM3  # noqa: F401
+from quantkit.models.starcoder2 import STARCODER2  # noqa: F401

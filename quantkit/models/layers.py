@@ -1,4 +1,4 @@
-"""Shared layers of every family: the per-token ops, the RMSNorms, RoPE, and the gated MLPs.
+"""Shared layers of every family: the per-token ops, the norms, RoPE, and the MLPs (gated, and up-act-down).
 
 A family picks among them by data (quantkit/models/family.py); nothing here knows about quantization or serving.
 The Linear class is a constructor argument (nn.Linear, or anything with its (in, out, bias) signature).
@@ -96,6 +96,29 @@ class Fp32LayerNorm(Fp32RMSNorm):
     """y = w * (x - mean(x)) / sqrt(var(x) + eps), no bias (Cohere's LayerNorm): in fp32, rounded once."""
 
     centered = True
+
+
+class LayerNorm(Fp32LayerNorm):
+    """torch's LayerNorm with a bias (StarCoder2), as transformers calls it: F.layer_norm of x with the scale
+    weight_offset + w in w's dtype (Nemotron's LayerNorm1P adds 1 there: LayerNorm1P)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight + self.weight_offset if self.weight_offset else self.weight
+        return F.layer_norm(x, (x.shape[-1],), scale, self.bias, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = residual + x
+        return self(total), total
+
+
+class LayerNorm1P(LayerNorm):
+    """Nemotron's LayerNorm: the checkpoint stores w of the scale 1 + w."""
+
+    weight_offset = 1.0
 
 
 class OffsetRMSNorm(Fp32RMSNorm):
@@ -279,3 +302,35 @@ class GeGLUMLP(GatedMLP):
 
     def activated(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.gelu_tanh_mul(self.gate_proj(x), self.up_proj(x))
+
+
+class UpDownMLP(nn.Module):
+    """down(act(up(x))), no gate (StarCoder2, Nemotron, Arcee); the activation is the subclass's `act`."""
+
+    def __init__(self, hidden: int, intermediate: int, linear_cls: Callable[..., nn.Module], bias: bool = False):
+        super().__init__()
+        self.up_proj = linear_cls(hidden, intermediate, bias=bias)
+        self.down_proj = linear_cls(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+    @staticmethod
+    def act(x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Relu2MLP(UpDownMLP):
+    """relu(x)^2 (Nemotron, Arcee: config.hidden_act "relu2")."""
+
+    @staticmethod
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(x))
+
+
+class GeluTanhMLP(UpDownMLP):
+    """gelu's tanh approximation (StarCoder2: config.hidden_act "gelu_pytorch_tanh")."""
+
+    @staticmethod
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")

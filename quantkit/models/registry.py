@@ -99,6 +99,13 @@ def _mlp(path: str, prev: str = "", gate: str = "gate_proj", up: str = "up_proj"
     return (u, g), (d,), groups
 
 
+def _up_down_mlp(path: str, prev: str):
+    """(up stage, down stage, AWQ groups) of an MLP without gate: prev -> up only (act(up) is not linear in up's
+    rows, so no up -> down scale folds)."""
+    u, d = f"{path}.up_proj", f"{path}.down_proj"
+    return (u,), (d,), (ScalingGroup(prev, (u,), u),)
+
+
 def _moe_group(moe: str, gate: str, up: str, shared: bool = False) -> ScalingGroup:
     """post_attention_layernorm feeds the router and every expert's gate/up (and the shared expert's): one group,
     its statistics the router's input (all tokens)."""
@@ -120,6 +127,7 @@ def _spec(*mlps, moe: ScalingGroup | None = None, attention: tuple[ScalingGroup,
 
 
 _LLAMA = _spec(_mlp("mlp", "post_attention_layernorm"))
+_UP_DOWN = _spec(_up_down_mlp("mlp", "post_attention_layernorm"))
 _GEMMA = _spec(_mlp("mlp", "pre_feedforward_layernorm"))  # Gemma's post_attention_layernorm norms the attention out
 _OLMO2 = _spec(_mlp("mlp"), attention=(_V_TO_O,))  # post-norm: no norm feeds q/k/v or gate/up (v -> o, up -> down)
 _MIXTRAL = _spec(_mlp(f"block_sparse_moe.experts.{EXPERT}", gate="w1", up="w3", down="w2"),
@@ -148,6 +156,9 @@ REGISTRY: dict[str, ArchSpec] = {
     "glm": _LLAMA,  # after the load-time split of gate_up_proj (models/keys.py)
     "glm4": _LLAMA,  # post_attention_layernorm is its MLP's input norm, as in Llama; the post-sublayer norms feed none
     "qwen2": _LLAMA,
+    "starcoder2": _UP_DOWN,  # c_fc / c_proj renamed up_proj / down_proj at load; LayerNorm biases fold like Linears
+    "nemotron": _UP_DOWN,  # its LayerNorm1P's (1 + w) folds like Gemma's
+    "arcee": _UP_DOWN,
     "qwen3": _LLAMA,  # q_norm / k_norm are not Linears
     "phi3": _LLAMA,  # after the load-time split of qkv_proj / gate_up_proj (models/keys.py)
     "gemma2": _GEMMA,

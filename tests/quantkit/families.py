@@ -54,6 +54,9 @@ FAMILIES = {
     "glm4": ("glm4", dict(head_dim=16, tie_word_embeddings=True)),  # the same, and GLM-4-0414's sublayer norms
     "cohere": ("cohere", dict(logit_scale=0.3)),  # the parallel block, LayerNorm, interleaved RoPE pairs
     "cohere2": ("cohere2", dict(num_hidden_layers=4, sliding_window=WINDOW, logit_scale=0.3)),  # 0-2 slide, 3 NoPE
+    "starcoder2": ("starcoder2", dict(sliding_window=WINDOW)),  # LayerNorm with bias, c_fc / c_proj, all biased
+    "nemotron": ("nemotron", dict(head_dim=16, attention_bias=True, mlp_bias=True)),  # LayerNorm1P, relu^2, half RoPE
+    "arcee": ("arcee", dict(head_dim=16)),  # relu^2 MLP without gate
     "phi3": ("phi3", dict(sliding_window=WINDOW)),
     "phi4-mini": ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True)),  # RoPE on 12 of 16 dims
     "phi3-longrope": ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=32,
