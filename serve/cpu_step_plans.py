@@ -9,13 +9,13 @@ the same inputs and rounding, in the same order: the logits are the eager path's
 dtype plans run in; tests/serve/test_cpu_step_plans.py). Per layer, the block's sublayer_norms in brackets
 (models/blocks.py; Llama's pre-norm block has the attention-input and MLP-input ones):
   [x = norm(resid)]  qkv = linear(x) [+ bias]  [q, k = q_norm, k_norm]  [rope(q, k) unless NoPE]
-  [q, k = q_norm, k_norm after RoPE]  [q *= query scale at its position]  kv_store(k, v)  attn = paged attention(q)  o = linear(attn)  [o = norm(o)]
-  [x = norm(o + resid -> resid)] or resid += o  act = act(gate(x)) * up(x)  down = linear(act)  [down = norm(down)]
-  resid += down
+  [q, k = q_norm, k_norm after RoPE]  [q *= query scale at its position]  kv_store(k, v)
+  attn = paged attention(q)  o = linear(attn)  [o = norm(o)]
+  [x = norm(o + resid -> resid)] or resid += o  act = act(gate(x)) * up(x) (or act(up(x)))  down = linear(act)
+  [down = norm(down)]  resid += down
 (a parallel block's MLP reads the attention's x), then normed = norm(resid), logits = lm_head(normed). The norms
-are RMSNorm's C kernel, or add_fp32_norm for the ones rounded once from fp32 (Gemma's, OLMo's, Cohere's
-LayerNorm). A model or batch size the kernels do not cover (unsupported() and Plans.plan say which) runs eagerly,
-as before; an lm_head without a C kernel (oneDNN's, outside batch-invariant serving) runs after the replay, on the
+are RMSNorm's C kernel, or add_fp32_norm for the ones rounded once from fp32 (Gemma's, OLMo's, the LayerNorms).
+A model or batch size the kernels do not cover (unsupported() and Plans.plan say which) runs eagerly, as before; an lm_head without a C kernel (oneDNN's, outside batch-invariant serving) runs after the replay, on the
 final-normed rows. Gemma's embedding scale and Granite's multipliers are scale calls (the embeddings after the
 gather, o and down before their adds); logits scaling and soft-caps run after the replay (CausalLM.finish_logits).
 """
@@ -33,7 +33,8 @@ from quantkit.kernels.cpu.fused import CpuFusedOps, rope_table_rows
 from quantkit.kernels.cpu.step_plan import Plan
 from quantkit.models.attention import Attention, kernel_servable, position_scale
 from quantkit.models.blocks import DecoderLayer
-from quantkit.models.layers import MLP, Fp32LayerNorm, Fp32RMSNorm, GeGLUMLP, OffsetRMSNorm, RMSNorm
+from quantkit.models.layers import (MLP, Fp32LayerNorm, Fp32RMSNorm, GeGLUMLP, GeluTanhMLP, LayerNorm, LayerNorm1P,
+                                    OffsetRMSNorm, Relu2MLP, RMSNorm)
 from quantkit.quant.qlinear import QLinear, packed_kernel
 from quantkit.serve.attention import TorchPagedAttention
 from quantkit.serve.cpu_linear import FusedLinear, PackedLinear
@@ -44,8 +45,10 @@ log = logging.getLogger("quantkit.serve")
 MAX_PLAN_BATCH = 64  # sequences: above, a step's Python is a small share of its kernels and the buffers grow
 # the W4/W8 kernels of qlinear.packed_kernel, by name, as a plan records them
 _PLAN_KERNELS = {"gemv": Plan.qgemv, "rowwise": Plan.rowwise_qgemm, "amx": Plan.qgemm}
-_NORMS = (RMSNorm, Fp32RMSNorm, OffsetRMSNorm, Fp32LayerNorm)  # the norm classes the C kernels compute exactly
+# the norm classes the C kernels compute exactly
+_NORMS = (RMSNorm, Fp32RMSNorm, OffsetRMSNorm, Fp32LayerNorm, LayerNorm, LayerNorm1P)
 _GATED = {MLP: Plan.silu_mul, GeGLUMLP: Plan.gelu_tanh_mul}  # the MLPs of separate gate and up linears
+_UP_DOWN = (Relu2MLP, GeluTanhMLP)  # the MLPs without gate
 
 
 def unsupported(runner) -> Optional[str]:
@@ -80,8 +83,8 @@ def _layer_unsupported(layer, attn: TorchPagedAttention, i: int) -> Optional[str
             return f"{type(norm).__name__} (a norm the C kernels compute)"
     if type(sa) not in (Attention, FusedAttention):
         return f"{type(sa).__name__}"
-    if type(layer.ffn) not in (*_GATED, FusedMLP):
-        return f"{type(layer.ffn).__name__} (a SiLU or GeGLU MLP)"
+    if type(layer.ffn) not in (*_GATED, FusedMLP, *_UP_DOWN):
+        return f"{type(layer.ffn).__name__} (a dense MLP)"
     if layer.rotary is not None and layer.rotary.long_inv_freq is not None:
         return "longrope's frequencies, not settled for one serving length"
     if attn.rows_kernel is None and (attn.decode_kernel is None or not kernel_servable(sa.spec)):
@@ -227,7 +230,8 @@ class Plans:
         if type(norm) is RMSNorm:
             plan.add_rms_norm(x, residual, residual, norm.weight, out, norm.eps)
         else:
-            plan.add_fp32_norm(x, residual, residual, norm.weight, out, norm.eps, norm.weight_offset, norm.centered)
+            weight, offset = norm.scaling()  # (a new tensor for LayerNorm1P: the plan holds it)
+            plan.add_fp32_norm(x, residual, residual, weight, out, norm.eps, offset, norm.centered, norm.bias)
         return out
 
     @staticmethod
@@ -292,7 +296,12 @@ class Plans:
     def _mlp(self, plan: Plan, mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
         n, inter = x.shape[0], mlp.down_proj.in_features
         act = self._buffer("act", inter)[:n]
-        if isinstance(mlp, FusedMLP):
+        if type(mlp) in _UP_DOWN:
+            up = self._buffer("up", inter)[:n]
+            if not self._linear(plan, mlp.up_proj, x, up):
+                return None
+            plan.activation(up, act, mlp.activation)
+        elif isinstance(mlp, FusedMLP):
             if not self._fused(plan, mlp.fused_gate_up, x, act):
                 return None
         else:

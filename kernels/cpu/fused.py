@@ -5,17 +5,19 @@ rows, fp32 math):
                  the eight ops of the torch path
   rope           rotate-half RoPE of q and k in place, cos/sin from a fp32 table [positions, R] (cos | sin) over
                  the first R <= D dims of each head (R < D: partial rotary, the rest pass through)
-  add_fp32_norm  add_rms_norm with the normed value times (offset + weight) in fp32, rounded once (OLMo 2's and
-                 Gemma's order), optionally mean-centred first (Cohere's bias-free LayerNorm)
+  add_fp32_norm  add_rms_norm with the normed value times (offset + weight) in fp32, plus an optional bias, rounded
+                 once (OLMo 2's and Gemma's order), optionally mean-centred first (LayerNorm)
   silu_mul       out = silu(gate) * up
   gelu_tanh_mul  out = gelu(gate) * up, gelu's tanh approximation (Gemma's GeGLU)
+  *_rows         out = relu(x)^2 or gelu(x): the activation of an MLP without gate (ACTIVATIONS)
   kv_store       copy each token's K and V rows into the paged cache at its slot (replaces index_copy_)
 
 Rounding follows the model's torch ops: the normalised value is rounded to the dtype before the weight multiplies
 it, as in Hugging Face's LlamaRMSNorm; products are otherwise rounded once (a torch path that rounds after every op
 differs by at most a rounding step in bf16). The `*_ref` functions are the kernels' math in plain torch.
-CpuFusedOps is a model's `ops` (TorchOps' contract: rms_norm, fp32_norm, rope, silu_mul, gelu_tanh_mul) when the library builds; it is given the ops to fall
-back on (the model's torch ops) for inputs the kernels do not cover, so this file knows nothing of the model.
+CpuFusedOps is a model's `ops` (TorchOps' contract: rms_norm, fp32_norm, rope, silu_mul, gelu_tanh_mul,
+activation) when the library builds; it is given the ops to fall back on (the model's torch ops) for inputs the
+kernels do not cover, so this file knows nothing of the model.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 SIGNATURES = {
     "add_rms_norm": [_P, _I64, _P, _P, _P, _P, _INT, _INT, _F, _INT, _INT],
     "rope": [_P, _I64, _INT, _P, _I64, _INT, _P, _P, _INT, _INT, _INT, _INT, _INT],
-    "add_fp32_norm": [_P, _I64, _P, _P, _P, _P, _INT, _INT, _F, _F, _INT, _INT, _INT],
+    "add_fp32_norm": [_P, _I64, _P, _P, _P, _P, _INT, _INT, _F, _F, _INT, _P, _INT, _INT],
     "silu_mul": [_P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT],
     "gelu_tanh_mul": [_P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT],
+    "relu2_rows": [_P, _I64, _P, _INT, _INT, _INT, _INT],
+    "gelu_tanh_rows": [_P, _I64, _P, _INT, _INT, _INT, _INT],
     "kv_store": [_P, _I64, _P, _I64, _P, _P, _P, _INT, _I64, _INT],
 }
+ACTIVATIONS = {"relu2": "relu2_rows", "gelu_tanh": "gelu_tanh_rows"}  # activation(kind) -> its kernel
 _MIN_ROPE_TABLE = 256  # rows of the first RoPE table; it grows by doubling
 _MAX_ROPE_TABLES = 8  # inv_freq tensors with a cached table (a model has one or two)
 _NO_TABLE = torch.empty(0, 0)
@@ -78,14 +83,15 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> t
     return torch.cat((rotated, x[..., table.shape[1]:]), dim=-1)
 
 
-# add_fp32_norm_ref - as add_rms_norm_ref, the normed value times (offset + weight) in fp32 (centered: x - mean(x))
+# add_fp32_norm_ref - as add_rms_norm_ref, the normed value times (offset + weight) in fp32 plus bias [H] or None
+#                     (centered: x - mean(x) normed)
 def add_fp32_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                      offset: float, centered: bool):
+                      offset: float, centered: bool, bias: torch.Tensor | None = None):
     total = x if residual is None else (residual.float() + x.float()).to(x.dtype)
     t = total.float()
     t = t - t.mean(-1, keepdim=True) if centered else t
-    normed = t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) / t.shape[-1] + eps)
-    return (normed * (offset + weight.float())).to(x.dtype), total
+    y = t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) / t.shape[-1] + eps) * (offset + weight.float())
+    return (y if bias is None else y + bias.float()).to(x.dtype), total
 
 
 # silu_mul_ref - gate, up [..., I] -> [..., I], gate's dtype
@@ -96,6 +102,12 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # gelu_tanh_mul_ref - as silu_mul_ref with gelu's tanh approximation
 def gelu_tanh_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.gelu(gate.float(), approximate="tanh") * up.float()).to(gate.dtype)
+
+
+# activation_ref - x [..., I], a key of ACTIVATIONS -> [..., I], x's dtype
+def activation_ref(x: torch.Tensor, kind: str) -> torch.Tensor:
+    x32 = x.float()
+    return (torch.square(F.relu(x32)) if kind == "relu2" else F.gelu(x32, approximate="tanh")).to(x.dtype)
 
 
 # kv_store_ref - k, v [T, Hkv, D] -> k_cache, v_cache [NB, BS, Hkv, D] at slots int64 [T] (in place)
@@ -153,12 +165,17 @@ class CpuFusedOps:
             return self.fallback.rms_norm(x, residual, weight, eps)
         return self._norm(self.lib.add_rms_norm, x, residual, weight, eps)
 
-    # fp32_norm - as rms_norm; the normed x times (offset + weight) in fp32, rounded once; centered: LayerNorm's
+    # fp32_norm - as rms_norm; the normed x times (offset + weight) in fp32 plus bias [H] (or None), rounded once;
+    #             centered: LayerNorm's
     def fp32_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                  offset: float, centered: bool):
-        if not _ours(x, weight) or (residual is not None and residual.dtype != x.dtype):
-            return self.fallback.fp32_norm(x, residual, weight, eps, offset, centered)
-        return self._norm(self.lib.add_fp32_norm, x, residual, weight, eps, offset, int(centered))
+                  offset: float, centered: bool, bias: torch.Tensor | None = None):
+        if not _ours(x, weight, *(() if bias is None else (bias,))) or (
+                residual is not None and residual.dtype != x.dtype):
+            return self.fallback.fp32_norm(x, residual, weight, eps, offset, centered, bias)
+        if bias is not None and (bias.shape != weight.shape or not bias.is_contiguous()):
+            raise ValueError(f"fp32_norm: bias {tuple(bias.shape)} is not a contiguous weight-shaped vector")
+        return self._norm(self.lib.add_fp32_norm, x, residual, weight, eps, offset, int(centered),
+                          None if bias is None else bias.data_ptr())
 
     def _norm(self, kernel, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
               *scaling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +247,17 @@ class CpuFusedOps:
         if not _ours(gate, up):
             return self.fallback.gelu_tanh_mul(gate, up)
         return self._gated(self.lib.gelu_tanh_mul, gate, up)
+
+    # activation - x [..., I] (rows at any stride), a key of ACTIVATIONS -> [..., I] contiguous, x's dtype
+    def activation(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        if not _ours(x):
+            return self.fallback.activation(x, kind)
+        x2 = x.reshape(-1, x.shape[-1])
+        n, xs = _rows(x2)
+        out = torch.empty(x2.shape, dtype=x.dtype)
+        getattr(self.lib, ACTIVATIONS[kind])(x2.data_ptr(), xs, out.data_ptr(), n, x.shape[-1], DTYPE_CODES[x.dtype],
+                                             torch.get_num_threads())
+        return out.view(x.shape)
 
     @staticmethod
     def _gated(kernel, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -11,14 +11,15 @@
 #define OP_WORDS 20
 enum { OP_ADD_RMS_NORM, OP_ROPE, OP_SILU_MUL, OP_KV_STORE, OP_QGEMV, OP_ROWWISE_GEMM, OP_PAGED_DECODE, OP_PAGED_ROWS,
        OP_COPY_ROWS, OP_ADD_ROWS, OP_ROWWISE_QGEMM, OP_GEMM_BF16, OP_QGEMM, OP_SCALE_ROWS, OP_ADD_FP32_NORM,
-       OP_GELU_TANH_MUL, OP_SCALE_ROWS_AT };
+       OP_GELU_TANH_MUL, OP_SCALE_ROWS_AT, OP_ACTIVATION };
 
 /* the other libraries' kernels (fused.c, gemv.c, rowwise_gemm.c, gemm.c, paged_decode.c), as declared there;
-   silu_mul_fn is fused.c's gelu_tanh_mul too */
+   silu_mul_fn is fused.c's gelu_tanh_mul too, activation_fn its relu2_rows and gelu_tanh_rows */
 typedef void (*add_rms_norm_fn)(const void*, int64_t, const void*, void*, const void*, void*, int, int, float, int,
                                 int);
 typedef void (*add_fp32_norm_fn)(const void*, int64_t, const void*, void*, const void*, void*, int, int, float, float,
-                                 int, int, int);
+                                 int, const void*, int, int);
+typedef void (*activation_fn)(const void*, int64_t, void*, int, int, int, int);
 typedef void (*rope_fn)(void*, int64_t, int, void*, int64_t, int, const int64_t*, const float*, int, int, int, int,
                         int);
 typedef void (*silu_mul_fn)(const void*, int64_t, const void*, int64_t, void*, int, int, int, int);
@@ -91,7 +92,7 @@ void run_plan(const int64_t* ops, int n, int threads) {
         break;
       case OP_ADD_FP32_NORM:
         ((add_fp32_norm_fn)fn)(P(0), a[1], P(2), P(3), P(4), P(5), I(6), I(7), bits_f32(a[8]), bits_f32(a[9]), I(10),
-                               I(11), threads);
+                               P(11), I(12), threads);
         break;
       case OP_SILU_MUL:
       case OP_GELU_TANH_MUL: ((silu_mul_fn)fn)(P(0), a[1], P(2), a[3], P(4), I(5), I(6), I(7), threads); break;
@@ -115,6 +116,7 @@ void run_plan(const int64_t* ops, int n, int threads) {
       case OP_ADD_ROWS: add_rows(P(0), a[1], P(2), a[3], I(4), I(5)); break;
       case OP_SCALE_ROWS: scale_rows(P(0), a[1], bits_f32(a[2]), I(3), I(4)); break;
       case OP_SCALE_ROWS_AT: scale_rows_at(P(0), a[1], P(2), P(3), I(4), I(5)); break;
+      case OP_ACTIVATION: ((activation_fn)fn)(P(0), a[1], P(2), I(3), I(4), I(5), threads); break;
     }
   }
 }

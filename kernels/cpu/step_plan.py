@@ -26,7 +26,7 @@ from quantkit.kernels.cpu.gemm import _FUSED_MAX_M, _check_quantized, _check_vnn
 OP_WORDS = 20  # step_plan.c's OP_WORDS: kind, function, up to 18 arguments
 KINDS = ["add_rms_norm", "rope", "silu_mul", "kv_store", "qgemv", "rowwise_gemm", "paged_decode", "paged_rows",
          "copy_rows", "add_rows", "rowwise_qgemm", "gemm_bf16", "qgemm", "scale_rows", "add_fp32_norm",
-         "gelu_tanh_mul", "scale_rows_at"]  # step_plan.c's enum, in order
+         "gelu_tanh_mul", "scale_rows_at", "activation"]  # step_plan.c's enum, in order
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"run_plan": [_P, _INT, _INT], "copy_rows": [_P, _I64, _P, _P, _I64, _INT, _I64],
               "add_rows": [_P, _I64, _P, _I64, _INT, _INT], "scale_rows": [_P, _I64, ctypes.c_float, _INT, _INT],
@@ -89,11 +89,12 @@ class Plan:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def _record(self, kind: str, lib: ctypes.CDLL | None, args: list[int], *tensors) -> None:
-        """One call of `kind` (lib: the library exporting the C function of that name; None: step_plan.c's own)."""
+    def _record(self, kind: str, lib: ctypes.CDLL | None, args: list[int], *tensors, function: str = "") -> None:
+        """One call of `kind` (lib: the library exporting the C function of that name, or of `function`; None:
+        step_plan.c's own)."""
         if len(args) > OP_WORDS - 2:
             raise ValueError(f"{kind}: {len(args)} arguments, the plan holds {OP_WORDS - 2}")
-        self._rows.append([KINDS.index(kind), 0 if lib is None else _address(lib, kind), *args]
+        self._rows.append([KINDS.index(kind), 0 if lib is None else _address(lib, function or kind), *args]
                           + [0] * (OP_WORDS - 2 - len(args)))
         self._keep.extend(t for t in tensors if t is not None)
         self._ops = None
@@ -110,20 +111,24 @@ class Plan:
         """out = weight * norm(x + residual), total = x + residual (residual may be total: in place)."""
         self._norm("add_rms_norm", x, residual, total, weight, out, eps)
 
-    # add_fp32_norm - as add_rms_norm, the normed value times (offset + weight) in fp32 (centered: LayerNorm's)
+    # add_fp32_norm - as add_rms_norm, the normed value times (offset + weight) in fp32 plus bias [H] (or None)
+    #                 (centered: LayerNorm's)
     def add_fp32_norm(self, x: torch.Tensor, residual: torch.Tensor | None, total: torch.Tensor | None,
-                      weight: torch.Tensor, out: torch.Tensor, eps: float, offset: float, centered: bool) -> None:
-        self._norm("add_fp32_norm", x, residual, total, weight, out, eps, _bits(offset), int(centered))
+                      weight: torch.Tensor, out: torch.Tensor, eps: float, offset: float, centered: bool,
+                      bias: torch.Tensor | None = None) -> None:
+        self._norm("add_fp32_norm", x, residual, total, weight, out, eps, bias, _bits(offset), int(centered),
+                   _ptr(bias))
 
-    def _norm(self, kind: str, x, residual, total, weight, out, eps: float, *scaling: int) -> None:
+    def _norm(self, kind: str, x, residual, total, weight, out, eps: float, bias=None, *scaling: int) -> None:
         n, xs = fused._rows(x)
         h = x.shape[-1]
-        for t in (out, weight) + ((residual, total) if residual is not None else ()):
+        for t in (out, weight) + ((residual, total) if residual is not None else ()) + (
+                (bias,) if bias is not None else ()):
             if t.dtype != x.dtype or not t.is_contiguous() or t.shape[-1] != h:
                 raise ValueError(f"{kind}: {tuple(t.shape)} {t.dtype} is not a contiguous [.., {h}] {x.dtype}")
         self._record(kind, self._fused,
                      [x.data_ptr(), xs, _ptr(residual), _ptr(total), weight.data_ptr(), out.data_ptr(), n, h,
-                      _bits(eps), *scaling, DTYPE_CODES[x.dtype]], x, residual, total, weight, out)
+                      _bits(eps), *scaling, DTYPE_CODES[x.dtype]], x, residual, total, weight, out, bias)
 
     # rope - q [n, Hq, D], k [n, Hk, D] (tokens at stride, heads contiguous), positions int64 [n], table fp32 [P, R]
     #        (R <= D: the first R dims of each head rotate)
@@ -146,6 +151,14 @@ class Plan:
     # gelu_tanh_mul - as silu_mul, with gelu's tanh approximation
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
         self._gated("gelu_tanh_mul", gate, up, out)
+
+    # activation - x [n, I] (rows at stride), a key of fused.ACTIVATIONS -> out [n, I] contiguous
+    def activation(self, x: torch.Tensor, out: torch.Tensor, kind: str) -> None:
+        n, xs = fused._rows(x)
+        if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or kind not in fused.ACTIVATIONS:
+            raise ValueError(f"activation {kind!r}: x {tuple(x.shape)} {x.dtype}, out {tuple(out.shape)} {out.dtype}")
+        self._record("activation", self._fused, [x.data_ptr(), xs, out.data_ptr(), n, x.shape[1],
+                                                 DTYPE_CODES[x.dtype]], x, out, function=fused.ACTIVATIONS[kind])
 
     def _gated(self, kind: str, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
         n, gs = fused._rows(gate)

@@ -56,9 +56,13 @@ class TritonOps:
         return silu_gate(gate, up)
 
     def fp32_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-                  offset: float, centered: bool):
-        """No kernel yet (OLMo 2's, Gemma's and Cohere's norms): the fallback's."""
-        return self.fallback.fp32_norm(x, residual, weight, eps, offset, centered)
+                  offset: float, centered: bool, bias: Optional[torch.Tensor] = None):
+        """No kernel yet (OLMo 2's, Gemma's and the LayerNorms): the fallback's."""
+        return self.fallback.fp32_norm(x, residual, weight, eps, offset, centered, bias)
+
+    def activation(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """No kernel yet (the MLPs without gate): the fallback's."""
+        return self.fallback.activation(x, kind)
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """No kernel yet (Gemma's GeGLU): the fallback's."""

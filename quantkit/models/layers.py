@@ -31,17 +31,21 @@ class TorchOps:
 
     @staticmethod
     def fp32_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, offset: float,
-                  centered: bool):
-        """-> ((offset + weight) * norm(x + residual), x + residual), the product in fp32 before one rounding to x's
-        dtype (HF's OLMo 2 and Gemma order, unlike Llama's round-then-scale); centered: x - mean(x) normed (Cohere's
-        LayerNorm without bias)."""
+                  centered: bool, bias: Optional[torch.Tensor] = None):
+        """-> ((offset + weight) * norm(x + residual) + bias, x + residual), in fp32 before one rounding to x's dtype
+        (HF's OLMo 2 and Gemma order, unlike Llama's round-then-scale); centered: x - mean(x) normed (LayerNorm)."""
         if residual is not None:
             x = residual + x
         x32 = x.float()
         if centered:
             x32 = x32 - x32.mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        return (x32 * (offset + weight.float())).to(x.dtype), x
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())
+        return (y if bias is None else y + bias.float()).to(x.dtype), x
+
+    @staticmethod
+    def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+        """The activation of an MLP without gate: "relu2" (relu(x)^2) or "gelu_tanh" (gelu's tanh approximation)."""
+        return torch.square(F.relu(x)) if kind == "relu2" else F.gelu(x, approximate="tanh")
 
     @staticmethod
     def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: "RotaryEmbedding"):
@@ -80,16 +84,25 @@ class RMSNorm(nn.Module):
 
 
 class Fp32RMSNorm(RMSNorm):
-    """y = (weight_offset + w) * norm(x) with the whole product in fp32 before one rounding to x's dtype (HF's OLMo 2
-    and Gemma order, unlike Llama's round-then-scale), through `ops` (fp32_norm)."""
+    """y = (weight_offset + w) * norm(x) (+ bias: LayerNorm) with the whole product in fp32 before one rounding to
+    x's dtype (HF's OLMo 2 and Gemma order, unlike Llama's round-then-scale), through `ops` (fp32_norm)."""
 
     centered = False  # x - mean(x) normed (LayerNorm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.fp32_norm(x, None, self.weight, self.eps, self.weight_offset, self.centered)[0]
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        self.register_parameter("bias", None)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.fp32_norm(x, residual, self.weight, self.eps, self.weight_offset, self.centered)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_and_norm(x, None)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        weight, offset = self.scaling()
+        return self.ops.fp32_norm(x, residual, weight, self.eps, offset, self.centered, self.bias)
+
+    def scaling(self) -> tuple[torch.Tensor, float]:
+        """(w, offset): the scale is offset + w, summed in fp32."""
+        return self.weight, self.weight_offset
 
 
 class Fp32LayerNorm(Fp32RMSNorm):
@@ -99,26 +112,21 @@ class Fp32LayerNorm(Fp32RMSNorm):
 
 
 class LayerNorm(Fp32LayerNorm):
-    """torch's LayerNorm with a bias (StarCoder2), as transformers calls it: F.layer_norm of x with the scale
-    weight_offset + w in w's dtype (Nemotron's LayerNorm1P adds 1 there: LayerNorm1P)."""
+    """torch's LayerNorm with a bias (StarCoder2), in fp32 and rounded once as torch's CPU kernel rounds it."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__(dim, eps)
         self.bias = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.weight + self.weight_offset if self.weight_offset else self.weight
-        return F.layer_norm(x, (x.shape[-1],), scale, self.bias, self.eps)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        total = residual + x
-        return self(total), total
-
 
 class LayerNorm1P(LayerNorm):
-    """Nemotron's LayerNorm: the checkpoint stores w of the scale 1 + w."""
+    """Nemotron's LayerNorm: the checkpoint stores w of the scale 1 + w, summed in w's dtype as transformers sums it
+    (in bf16 that rounding moves the scale by up to 2^-8, unlike Gemma's fp32 sum)."""
 
     weight_offset = 1.0
+
+    def scaling(self) -> tuple[torch.Tensor, float]:
+        return self.weight + self.weight_offset, 0.0
 
 
 class OffsetRMSNorm(Fp32RMSNorm):
@@ -305,7 +313,10 @@ class GeGLUMLP(GatedMLP):
 
 
 class UpDownMLP(nn.Module):
-    """down(act(up(x))), no gate (StarCoder2, Nemotron, Arcee); the activation is the subclass's `act`."""
+    """down(act(up(x))), no gate (StarCoder2, Nemotron, Arcee); act: `ops.activation` of the subclass's kind."""
+
+    ops = TorchOps
+    activation = ""  # TorchOps.activation's kind
 
     def __init__(self, hidden: int, intermediate: int, linear_cls: Callable[..., nn.Module], bias: bool = False):
         super().__init__()
@@ -313,24 +324,16 @@ class UpDownMLP(nn.Module):
         self.down_proj = linear_cls(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
-
-    @staticmethod
-    def act(x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self.down_proj(self.ops.activation(self.up_proj(x), self.activation))
 
 
 class Relu2MLP(UpDownMLP):
     """relu(x)^2 (Nemotron, Arcee: config.hidden_act "relu2")."""
 
-    @staticmethod
-    def act(x: torch.Tensor) -> torch.Tensor:
-        return torch.square(F.relu(x))
+    activation = "relu2"
 
 
 class GeluTanhMLP(UpDownMLP):
     """gelu's tanh approximation (StarCoder2: config.hidden_act "gelu_pytorch_tanh")."""
 
-    @staticmethod
-    def act(x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x, approximate="tanh")
+    activation = "gelu_tanh"

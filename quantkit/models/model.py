@@ -15,7 +15,7 @@ from torch import nn
 
 from quantkit.models.attention import Attention, AttentionBackend, AttentionSpec
 from quantkit.models.family import family_of
-from quantkit.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from quantkit.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, UpDownMLP
 
 
 class DecoderModel(nn.Module):
@@ -58,7 +58,7 @@ class CausalLM(nn.Module):
     def set_ops(self, ops) -> None:
         """Route the per-token ops (norms, RoPE, SiLU-and-multiply) through `ops` (TorchOps' contract)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, GatedMLP)):
+            if isinstance(module, (RMSNorm, Attention, GatedMLP, UpDownMLP)):
                 module.ops = ops
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -54,23 +54,40 @@ def test_add_rms_norm(ops, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("offset, centered", [(0.0, False), (1.0, False), (0.0, True)])  # OLMo 2, Gemma, Cohere
-def test_fp32_norm(ops, dtype, offset, centered):
-    gen = torch.Generator().manual_seed(int(offset) + 2 * centered)
+@pytest.mark.parametrize("offset, centered, biased", [(0.0, False, False), (1.0, False, False), (0.0, True, False),
+                                                     (0.0, True, True), (1.0, True, True)])
+def test_fp32_norm(ops, dtype, offset, centered, biased):  # OLMo 2, Gemma, Cohere, StarCoder2, Nemotron
+    gen = torch.Generator().manual_seed(int(offset) + 2 * centered + 4 * biased)
     x = (3 + torch.randn(9, 200, generator=gen)).to(dtype)[:, 8:104]  # strided rows, far from zero mean
     residual = torch.randn(9, 96, generator=gen).to(dtype)
     weight = (0.1 * torch.randn(96, generator=gen)).to(dtype)
-    got, total = ops.fp32_norm(x, residual, weight, 1e-6, offset, centered)
-    want, want_total = TorchOps.fp32_norm(x, residual, weight, 1e-6, offset, centered)
+    bias = torch.randn(96, generator=gen).to(dtype) if biased else None
+    got, total = ops.fp32_norm(x, residual, weight, 1e-6, offset, centered, bias)
+    want, want_total = TorchOps.fp32_norm(x, residual, weight, 1e-6, offset, centered, bias)
     assert torch.equal(total, want_total)
     close(got, want, dtype)
-    ref, _ = fused.add_fp32_norm_ref(x, residual, weight, 1e-6, offset, centered)
+    ref, _ = fused.add_fp32_norm_ref(x, residual, weight, 1e-6, offset, centered, bias)
     close(got, ref, dtype)
-    alone, same = ops.fp32_norm(x, None, weight, 1e-6, offset, centered)
+    alone, same = ops.fp32_norm(x, None, weight, 1e-6, offset, centered, bias)
     assert same is x
-    close(alone, TorchOps.fp32_norm(x, None, weight, 1e-6, offset, centered)[0], dtype)
-    if centered:  # the mean is subtracted: a shifted row norms alike
-        close(ops.fp32_norm(x + 5, None, weight, 1e-6, offset, centered)[0], alone, dtype)
+    close(alone, TorchOps.fp32_norm(x, None, weight, 1e-6, offset, centered, bias)[0], dtype)
+    if centered and dtype == torch.float32:  # the mean is subtracted: a shifted row norms alike (exact x + 5)
+        close(ops.fp32_norm(x + 5, None, weight, 1e-6, offset, centered, bias)[0], alone, dtype)
+    if biased and not offset:  # torch's own LayerNorm
+        close(alone, torch.nn.functional.layer_norm(x, (96,), weight, bias, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["relu2", "gelu_tanh"])
+def test_activations_of_mlps_without_gate(ops, dtype, kind):
+    gen = torch.Generator().manual_seed(5)
+    x = (4 * torch.randn(7, 200, generator=gen)).to(dtype)[:, 30:130]  # strided rows
+    x[0, :7] = torch.tensor([-200.0, -90.0, -1e-3, 0.0, 1e-3, 90.0, 200.0]).to(dtype)
+    got = ops.activation(x, kind)
+    close(got, TorchOps.activation(x, kind), dtype)
+    close(got, fused.activation_ref(x, kind), dtype)
+    if kind == "relu2":  # max(x, 0)^2 rounded once, as torch rounds it
+        assert torch.equal(got, TorchOps.activation(x, kind))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -219,8 +219,10 @@ def test_smollm3_nope_layers_windows_and_defaults_are_transformers(extra):
     (tiny_hf_config("granite", logits_scaling=0), r"Granite \(granite\): logits_scaling is 0"),
     (tiny_hf_config("qwen2_moe", num_experts=4, num_experts_per_tok=2), r"Qwen2-MoE \(qwen2_moe\) model has no 'moe_"),
     (tiny_hf_config("cohere", use_qk_norm=True), r"Cohere \(cohere\): use_qk_norm \(per-head q/k LayerNorms"),
+    (tiny_hf_config("starcoder2", hidden_act="gelu"), r"StarCoder2 \(starcoder2\): hidden_act 'gelu' is not supported"),
+    (tiny_hf_config("nemotron", hidden_act="silu"), r"Nemotron \(nemotron\): hidden_act 'silu' is not supported"),
     (tiny_hf_config("gpt_neox"),
-     r"'gpt_neox' is not supported: quantkit runs Cohere \(cohere\), .*Gemma \(gemma\), .*Llama \(llama\)"),
+     r"'gpt_neox' is not supported: quantkit runs Arcee \(arcee\), .*Gemma \(gemma\), .*Llama \(llama\)"),
 ])
 def test_configs_quantkit_cannot_run_are_refused_naming_the_family(hf, message):
     with pytest.raises(QuantkitError, match=message):

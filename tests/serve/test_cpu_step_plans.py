@@ -102,12 +102,13 @@ def plan_and_eager(runner, feeds):
 # gemma3: per-head (1 + w) q/k norms, a RoPE base per layer type; glm4: GLM-4-0414's sandwich; olmo2: post-norm
 # blocks, q/k norms over the whole projection; exaone4: post-norm, per-head q/k norms, NoPE full layers; cohere:
 # parallel blocks, LayerNorm, logits scaled; hunyuan: q/k norms after RoPE; ministral3: queries scaled by position
-# (from 16 on: the steps reach position 33)
+# (from 16 on: the steps reach position 33); starcoder2: LayerNorm with biases, gelu MLP without gate, all biased;
+# nemotron: LayerNorm1P, relu^2 MLP, half-head RoPE
 CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("qwen3", "bf16"), ("phi3", "bf16"), ("qwen3-yarn", "bf16"),
          ("phi3-longrope", "bf16"), ("phi4-mini", "bf16"), ("smollm3", "bf16"), ("granite", "bf16"),
          ("ernie4_5", "bf16"), ("glm", "bf16"), ("gemma", "bf16"), ("gemma2", "bf16"), ("gemma3", "bf16"),
          ("glm4", "bf16"), ("olmo2", "bf16"), ("exaone4", "bf16"), ("cohere", "bf16"), ("hunyuan", "bf16"),
-         ("ministral3", "bf16"),
+         ("ministral3", "bf16"), ("starcoder2", "bf16"), ("nemotron", "bf16"),
          pytest.param("gemma3", "w4", marks=needs_gemv), pytest.param("cohere", "w8", marks=needs_gemv),
          pytest.param("granite", "w4", marks=needs_gemv),
          pytest.param("llama", "w4", marks=needs_gemv), pytest.param("qwen2", "w4", marks=needs_gemv),
@@ -159,7 +160,7 @@ def test_w4_batches_above_the_gemv_rows_get_a_plan_on_the_gemm_that_takes_them(f
     assert runner_for(family("llama"), "bf16").plans.plan(8) is not None  # AMX's or the rowwise GEMM: any rows
 
 
-@pytest.mark.parametrize("name, reason", [("mixtral", "MoE (a SiLU or GeGLU MLP)")])
+@pytest.mark.parametrize("name, reason", [("mixtral", "MoE (a dense MLP)")])
 def test_models_plans_do_not_cover_say_why(family, name, reason, caplog):
     with caplog.at_level("INFO", logger="quantkit.serve"):
         runner = runner_for(family(name))
@@ -232,6 +233,8 @@ def test_the_recorder_refuses_what_a_kernel_does_not_take():
     with pytest.raises(ValueError, match="add_fp32_norm"):  # an fp32 weight for bf16 rows
         plan.add_fp32_norm(torch.zeros(2, 64, dtype=bf), None, None, torch.ones(64), torch.zeros(2, 64, dtype=bf),
                            1e-6, 1.0, False)
+    with pytest.raises(ValueError, match="activation 'gelu'"):  # not a kind of fused.ACTIVATIONS
+        plan.activation(torch.zeros(2, 8, dtype=bf), torch.zeros(2, 8, dtype=bf), "gelu")
     with pytest.raises(ValueError, match="gelu_tanh_mul"):
         plan.gelu_tanh_mul(torch.zeros(2, 8, dtype=bf), torch.zeros(2, 4, dtype=bf), torch.zeros(2, 8, dtype=bf))
     with pytest.raises(ValueError, match="rope"):
