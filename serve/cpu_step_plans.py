@@ -15,9 +15,10 @@ dtype plans run in; tests/serve/test_cpu_step_plans.py). Per layer, the block's 
   [down = norm(down)]  resid += down
 (a parallel block's MLP reads the attention's x), then normed = norm(resid), logits = lm_head(normed). The norms
 are RMSNorm's C kernel, or add_fp32_norm for the ones rounded once from fp32 (Gemma's, OLMo's, the LayerNorms).
-A model or batch size the kernels do not cover (unsupported() and Plans.plan say which) runs eagerly, as before; an lm_head without a C kernel (oneDNN's, outside batch-invariant serving) runs after the replay, on the
-final-normed rows. Gemma's embedding scale and Granite's multipliers are scale calls (the embeddings after the
-gather, o and down before their adds); logits scaling and soft-caps run after the replay (CausalLM.finish_logits).
+A model or batch size the kernels do not cover (unsupported() and Plans.plan say which) runs eagerly, as before; an
+lm_head without a C kernel (oneDNN's, outside batch-invariant serving) runs after the replay, on the final-normed
+rows. Gemma's embedding scale and Granite's multipliers are scale calls (the embeddings after the gather, o and down
+before their adds); logits scaling and soft-caps run after the replay (CausalLM.finish_logits).
 """
 
 from __future__ import annotations
