@@ -28,6 +28,7 @@ from quantkit.models.model import CausalLM  # noqa: F401
 from quantkit.models.nemotron import NEMOTRON  # noqa: F401
 from quantkit.models.olmo2 import OLMO2  # noqa: F401
 from quantkit.models.olmo3 import OLMO3  # noqa: F401
+from quantkit.models.olmoe import OLMOE  # noqa: F401
 from quantkit.models.phi3 import PHI3  # noqa: F401
 from quantkit.models.qwen2 import QWEN2  # noqa: F401
 from quantkit.models.qwen2_moe import QWEN2_MOE  # noqa: F401

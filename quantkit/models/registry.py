@@ -166,6 +166,7 @@ REGISTRY: dict[str, ArchSpec] = {
     "mixtral": _MIXTRAL,
     "qwen2_moe": _QWEN2_MOE,  # dense layers (mlp_only_layers, decoder_sparse_step) keep mlp.{gate,up,down}_proj
     "qwen3_moe": _QWEN3_MOE,
+    "olmoe": _QWEN3_MOE,  # the same names: mlp.gate, mlp.experts.{e}.{gate,up,down}_proj; its q/k norms feed no Linear
 }
 
 

@@ -64,8 +64,9 @@ FAMILIES = {
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
     "qwen2_moe": ("qwen2_moe", dict(num_experts=4, shared_expert_intermediate_size=64, mlp_only_layers=[1], **MOE)),
     "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=4, norm_topk_prob=True, **MOE)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32)),  # whole-projection q/k norms
 }
-MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
 def hf_model(name: str) -> nn.Module:
