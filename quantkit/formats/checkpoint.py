@@ -98,7 +98,7 @@ def save_checkpoint(out_dir, model: nn.Module, hf_config: dict, tokenizer, layou
         raise QuantkitError("the model has no quantized (QLinear) modules to save: quantize it first")
     scheme, per_module = _schemes(qlinears, layout, (meta.get("scheme") or {}).get("static_groups", False))
     dtype = base_dtype(hf_config)
-    skipped = sorted(name for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head")
+    skipped = sorted(name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head")
     if tensors is None:
         tensors = {k: Stored.of(t) for k, t in checkpoint_tensors(model, hf_config, layout, dtype).items()}
 
@@ -186,8 +186,9 @@ def checkpoint_tensors(module: nn.Module, hf_config: dict, layout: str, dtype: t
     entries = {prefix + name: (m.qtensor().to("cpu"), m.bias) for name, m in qlinears.items()}
     entries = fused.as_stored(hf_config, entries)
     tensors = _quantized_tensors(fused.fuse(hf_config.get("model_type", "llama"), entries), layout, dtype)
-    floats = {prefix + k: t for k, t in _float_tensors(module, qlinears, hf_config, dtype).items()}
     family = FAMILIES.get(hf_config.get("model_type"))
+    fp32 = family.fp32_tensors if family is not None else ()
+    floats = {prefix + k: t for k, t in _float_tensors(module, qlinears, hf_config, dtype, fp32).items()}
     if family is not None and not family.stored_as_built:  # names and q/k rows as stored (models/keys.py)
         floats = family.checkpoint_tensors(floats, ModelConfig.from_hf(hf_config))
     return {**tensors, **floats}
@@ -204,16 +205,18 @@ def _quantized_tensors(entries: dict[str, fused.Entry], layout: str, dtype: torc
     return out
 
 
-def _float_tensors(model: nn.Module, qlinears: dict[str, QLinear], hf_config: dict, dtype: torch.dtype
-                   ) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers outside the QLinears, in `dtype`; a tied lm_head is left out."""
+def _float_tensors(model: nn.Module, qlinears: dict[str, QLinear], hf_config: dict, dtype: torch.dtype,
+                   fp32: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers outside the QLinears, in `dtype` (float32: the names ending in `fp32`, the
+    family's fp32_tensors, as loaded); a tied lm_head is left out."""
     inside = tuple(f"{name}." for name in qlinears)
     tied = hf_config.get("tie_word_embeddings", False)
     out = {}
     for key, t in model.state_dict().items():
         if key.startswith(inside) or (tied and key == "lm_head.weight"):
             continue
-        out[key] = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+        kept = torch.float32 if fp32 and key.endswith(fp32) else dtype
+        out[key] = t.detach().to("cpu", kept if t.is_floating_point() else t.dtype).contiguous()
     return out
 
 

@@ -16,6 +16,7 @@ from quantkit.models.gemma import GEMMA  # noqa: F401
 from quantkit.models.gemma2 import GEMMA2  # noqa: F401
 from quantkit.models.gemma3 import GEMMA3  # noqa: F401
 from quantkit.models.glm import GLM, GLM4  # noqa: F401
+from quantkit.models.glm4_moe import GLM4_MOE  # noqa: F401
 from quantkit.models.granite import GRANITE  # noqa: F401
 from quantkit.models.helium import HELIUM  # noqa: F401
 from quantkit.models.hunyuan import HUNYUAN  # noqa: F401

@@ -27,7 +27,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         for name in filter(None, self.sublayer_norms):
             setattr(self, name, family.norm(cfg.hidden_size, cfg.rms_norm_eps))
-        self.self_attn = Attention(cfg, layer_idx, linear_cls, family.norm if family.qk_norm else None,
+        self.self_attn = Attention(cfg, layer_idx, linear_cls, family.norm if family.qk_norm or cfg.qk_norm else None,
                                    family.qk_norm_whole, family.qk_norm_after_rope)
         self.residual_multiplier = cfg.residual_multiplier
         self.ffn_name = family.ffn_name

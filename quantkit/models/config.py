@@ -55,8 +55,14 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's (Qwen MoE; Mixtral's experts use intermediate_size)
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (GLM-4.5's: all its shared ones)
     norm_topk_prob: bool = False  # Qwen MoE: renormalise the top-k router weights
+    # GLM-4.5's grouped sigmoid routing (models/moe.py GroupedTopKMoE): experts in router_groups groups, the top
+    # router_topk_groups groups' experts eligible, the weights times routed_scaling_factor
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    qk_norm: bool = False  # per-head q/k norms a config turns on (GLM-4.5's use_qk_norm), beside Family.qk_norm
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block
 
     @property

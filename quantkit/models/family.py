@@ -53,6 +53,9 @@ class Family:
     # (checkpoint, model) spellings of a module name part the family's checkpoints spell their own way (Hunyuan's
     # ".self_attn.query_layernorm." for ".self_attn.q_norm."): renamed at load (model_tensors), back at write
     renames: tuple[tuple[str, str], ...] = ()
+    # model tensor name suffixes loaded as float32 in any model dtype (transformers' _keep_in_fp32_modules_strict:
+    # GLM-4.5's router weight and score correction bias)
+    fp32_tensors: tuple[str, ...] = ()
 
     @property
     def stored_as_built(self) -> bool:

@@ -172,18 +172,21 @@ def _build_quantized(folder: Path, hf_config: dict, dtype: torch.dtype) -> tuple
 
 
 def load_state(model: CausalLM, state: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> None:
-    """Materialise every float parameter of `model` (built on meta) from `state` (checkpoint names, mapped by the
-    family's split), cast to `dtype`."""
+    """Materialise every float parameter and persistent buffer of `model` (built on meta) from `state` (checkpoint
+    names, mapped by the family's split), cast to `dtype` (the family's fp32_tensors to float32)."""
     state = model.family.model_tensors(state, model.config)
     if model.config.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    expected = {name for name, p in model.named_parameters() if p.is_meta}
+    expected = {name for name, p in model.named_parameters() if p.is_meta} | {
+        name for name, b in model.state_dict(keep_vars=True).items() if b.is_meta and not isinstance(b, nn.Parameter)}
     missing = sorted(expected - state.keys())
     if missing:
         raise QuantkitError(f"{folder}: weights missing for {len(missing)} tensors, e.g. {missing[0]!r}")
     unexpected = sorted(k for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise QuantkitError(f"{folder}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all) for this architecture")
-    model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=False, assign=True)
+    fp32 = model.family.fp32_tensors
+    model.load_state_dict({k: state[k].to(torch.float32 if fp32 and k.endswith(fp32) else dtype) for k in expected},
+                          strict=False, assign=True)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -3,8 +3,9 @@ on exactly the tokens routed to it.
 
 Tokens are grouped by expert (one argsort of the T * k choices, one bincount), so each active expert is one
 index_select -> expert -> weighted index_add: the expert's Linears (nn.Linear or QLinear) see only their tokens,
-which is what calibration hooks on them record. The router `gate` is a plain nn.Linear: it is never quantized (a
-rounding flip would send tokens to other experts).
+which is what calibration hooks on them record. The router `gate` is a plain nn.Linear (SigmoidRouter: fp32
+logits): it is never quantized (a rounding flip would send tokens to other experts). `select` turns its logits into
+each token's experts and weights: softmax top-k (MoE), or GLM-4.5's grouped sigmoid (GroupedTopKMoE).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -56,3 +58,48 @@ class MoE(nn.Module):
             y = self.experts[e](flat.index_select(0, tokens))  # [n, H]
             out.index_add_(0, tokens, (y * weights[slots, None]).to(out.dtype))
         return out.view(x.shape)
+
+
+class SigmoidRouter(nn.Linear):
+    """GLM-4.5's router: logits in fp32 (x and the weight widened, as transformers computes them) and the
+    e_score_correction_bias [E] that shifts the scores experts are chosen by (not their weights); the loader keeps
+    both tensors fp32 in any model dtype (Family.fp32_tensors), as transformers does."""
+
+    def __init__(self, hidden: int, experts: int):
+        super().__init__(hidden, experts, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class GroupedTopKMoE(MoE):
+    """GLM-4.5's MoE (DeepSeek-V3's routing): scores = sigmoid(logits); the experts fall in `groups` groups, each
+    group ranked by the sum of its two best biased scores (score + e_score_correction_bias), the experts of the best
+    `topk_groups` groups eligible; the top-k eligible biased scores choose the experts, weighted by their unbiased
+    scores (renormalised to sum 1 + 1e-20 with `normalize`) times `scaling`, in fp32. shared_experts (an MLP) adds
+    to every token."""
+
+    def __init__(self, hidden: int, experts: list[nn.Module], top_k: int, normalize: bool, groups: int,
+                 topk_groups: int, scaling: float, shared_experts: nn.Module):
+        super().__init__(hidden, experts, top_k, normalize, fp32_weights=True)
+        self.gate = SigmoidRouter(hidden, len(experts))
+        self.n_groups, self.topk_groups, self.scaling = groups, topk_groups, scaling
+        self.shared_experts = shared_experts
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.reshape(-1, logits.shape[-1]).float().sigmoid()  # [T, E]
+        biased = scores + self.gate.e_score_correction_bias.float()
+        t, e = biased.shape
+        group_rank = biased.view(t, self.n_groups, e // self.n_groups).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        best_groups = group_rank.topk(self.topk_groups, dim=-1)[1]
+        eligible = torch.zeros_like(group_rank, dtype=torch.bool).scatter_(1, best_groups, True)
+        biased = biased.masked_fill(~eligible.repeat_interleave(e // self.n_groups, dim=1), float("-inf"))
+        chosen = biased.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shared_experts(x)

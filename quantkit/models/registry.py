@@ -106,14 +106,15 @@ def _up_down_mlp(path: str, prev: str):
     return (u,), (d,), (ScalingGroup(prev, (u,), u),)
 
 
-def _moe_group(moe: str, gate: str, up: str, shared: bool = False) -> ScalingGroup:
-    """post_attention_layernorm feeds the router and every expert's gate/up (and the shared expert's): one group,
-    its statistics the router's input (all tokens)."""
+def _moe_group(moe: str, gate: str, up: str, shared: str = "", shared_gate: str = "") -> ScalingGroup:
+    """post_attention_layernorm feeds the router and every expert's gate/up (and the shared expert's, with its
+    float gate where it has one): one group, its statistics the router's input (all tokens)."""
     linears = (f"{moe}.experts.{EXPERT}.{gate}", f"{moe}.experts.{EXPERT}.{up}")
     unquantized = (f"{moe}.gate",)
     if shared:
-        linears += (f"{moe}.shared_expert.{gate}", f"{moe}.shared_expert.{up}")
-        unquantized += (f"{moe}.shared_expert_gate",)
+        linears += (f"{moe}.{shared}.{gate}", f"{moe}.{shared}.{up}")
+    if shared_gate:
+        unquantized += (f"{moe}.{shared_gate}",)
     return ScalingGroup("post_attention_layernorm", linears, moe, source=f"{moe}.gate", unquantized=unquantized)
 
 
@@ -134,7 +135,10 @@ _MIXTRAL = _spec(_mlp(f"block_sparse_moe.experts.{EXPERT}", gate="w1", up="w3", 
                  moe=_moe_group("block_sparse_moe", "w1", "w3"))
 _QWEN_MLPS = (_mlp("mlp", "post_attention_layernorm"), _mlp(f"mlp.experts.{EXPERT}"))  # dense layers, experts
 _QWEN3_MOE = _spec(*_QWEN_MLPS, moe=_moe_group("mlp", "gate_proj", "up_proj"))
-_QWEN2_MOE = _spec(*_QWEN_MLPS, _mlp("mlp.shared_expert"), moe=_moe_group("mlp", "gate_proj", "up_proj", shared=True))
+_QWEN2_MOE = _spec(*_QWEN_MLPS, _mlp("mlp.shared_expert"), moe=_moe_group("mlp", "gate_proj", "up_proj",
+                                                                           "shared_expert", "shared_expert_gate"))
+_GLM4_MOE = _spec(*_QWEN_MLPS, _mlp("mlp.shared_experts"), moe=_moe_group("mlp", "gate_proj", "up_proj",
+                                                                          "shared_experts"))
 
 REGISTRY: dict[str, ArchSpec] = {
     "llama": _LLAMA,  # Llama 2/3/3.1, SmolLM/SmolLM2, TinyLlama
@@ -166,6 +170,7 @@ REGISTRY: dict[str, ArchSpec] = {
     "mixtral": _MIXTRAL,
     "qwen2_moe": _QWEN2_MOE,  # dense layers (mlp_only_layers, decoder_sparse_step) keep mlp.{gate,up,down}_proj
     "qwen3_moe": _QWEN3_MOE,
+    "glm4_moe": _GLM4_MOE,  # dense first layers, routed experts and the always-on shared ones; router kept float
     "olmoe": _QWEN3_MOE,  # the same names: mlp.gate, mlp.experts.{e}.{gate,up,down}_proj; its q/k norms feed no Linear
 }
 

@@ -70,6 +70,37 @@ def test_greedy_continuation_equals_generate(name, pairs):
         assert torch.equal(ids, expected), name
 
 
+@torch.no_grad()
+def test_glm4_moe_routes_in_fp32_in_a_bf16_model(tmp_path_factory, bundled_dir):
+    """GLM-4.5's router weight and score correction bias stay fp32 in a bf16 model (transformers keeps them so): the
+    same bf16 hidden states choose the same experts with the same weights as transformers' bf16 model."""
+    from transformers import AutoModelForCausalLM
+
+    _, folder = saved_families(tmp_path_factory.mktemp("glm4-moe-bf16"), bundled_dir)("glm4_moe")
+    hf_router = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).model.layers[1].mlp.gate
+    moe = load_model(str(folder), dtype=torch.bfloat16).model.model.layers[1].mlp
+    assert moe.experts[0].gate_proj.weight.dtype == torch.bfloat16
+    assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == hf_router.weight.dtype == torch.float32
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    weights, chosen = moe.select(moe.gate(x))
+    _, hf_weights, hf_chosen = hf_router(x)
+    assert torch.equal(chosen, hf_chosen)
+    torch.testing.assert_close(weights, hf_weights, atol=1e-6, rtol=0)
+
+
+def test_glm4_moe_multi_token_prediction_layers_are_not_read():
+    """GLM-4.5 releases store num_nextn_predict_layers layers after the decoder's (model.layers.46 of 46)."""
+    from quantkit.models.config import ModelConfig
+    from quantkit.models.glm4_moe import split
+
+    cfg = ModelConfig.from_hf(dict(FAMILIES["glm4_moe"][1], model_type="glm4_moe", vocab_size=128, hidden_size=64,
+                                   intermediate_size=128, num_attention_heads=4, num_key_value_heads=2))
+    w = torch.zeros(2)
+    kept = split({"model.layers.2.input_layernorm.weight": w, "model.layers.3.eh_proj.weight": w,
+                  "model.layers.3.input_layernorm.weight": w, "model.norm.weight": w}, cfg)
+    assert set(kept) == {"model.layers.2.input_layernorm.weight", "model.norm.weight"}
+
+
 @pytest.mark.parametrize("name", MOE_FAMILIES)
 @torch.no_grad()
 def test_moe_routes_and_groups_tokens_like_transformers(name, pairs):

@@ -44,6 +44,9 @@ from tests.quantkit.families import BASE, FAMILIES, MOE_FAMILIES, hf_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
+# the families whose layer 0 is a softmax-routed MoE block of 4 experts, which the starving below steers (GLM-4.5's
+# grouped sigmoid routing behind a dense layer 0 is checked against transformers in test_families.py)
+SOFTMAX_ROUTED = [name for name in MOE_FAMILIES if name != "glm4_moe"]
 STARVED, CHANNEL, PUSH = 3, 0, 2.0
 HIDDEN = BASE["hidden_size"]  # the default --moe-min-tokens
 _g = torch.Generator().manual_seed(11)
@@ -129,7 +132,7 @@ def entries(report: list[dict], layer: int, expert: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-@pytest.mark.parametrize("name", MOE_FAMILIES)
+@pytest.mark.parametrize("name", SOFTMAX_ROUTED)
 def test_tokens_per_expert_are_transformers_routing(name, method, starved, calibrated):
     hf, loaded, _ = starved(name)
     model, report = calibrated(name, method)
@@ -164,7 +167,7 @@ def forced_errors(model, reference, rtn: torch.nn.Module) -> tuple[float, float]
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-@pytest.mark.parametrize("name", MOE_FAMILIES)
+@pytest.mark.parametrize("name", SOFTMAX_ROUTED)
 def test_a_starved_expert_is_calibrated_on_its_forced_pass(name, method, starved, calibrated):
     hf, loaded, _ = starved(name)
     model, report = calibrated(name, method)
@@ -192,7 +195,7 @@ def kl(reference: torch.Tensor, candidate: torch.Tensor) -> float:
     return float((p.exp() * (p - F.log_softmax(candidate, -1))).sum(-1).mean())
 
 
-@pytest.mark.parametrize("name", MOE_FAMILIES)
+@pytest.mark.parametrize("name", SOFTMAX_ROUTED)
 @torch.no_grad()
 def test_gptq_and_awq_are_closer_to_the_float_model_than_rtn(name, starved, calibrated):
     reference = starved(name)[1].model(HELD_OUT)

@@ -110,7 +110,7 @@ def test_compressed_tensors_loads_in_transformers_with_quantkit_logits(name, sch
     if name in MOE_FAMILIES:
         assert_experts_are_ours(hf, model)
         ignore = json.loads((folder / "config.json").read_text())["quantization_config"]["ignore"]
-        routers = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head"}
+        routers = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
         assert routers and routers <= set(ignore), ignore  # routers (and Qwen2-MoE's shared_expert_gate) float
 
 
