@@ -118,8 +118,9 @@ class _SkipInit(TorchFunctionMode):
 
 
 def model_params(cfg: ModelConfig) -> list[Param]:
-    """Every parameter of the model quantkit builds for cfg (on the meta device: no memory, no init), a tied lm_head
-    once (as the embedding, which then also multiplies every token)."""
+    """Every parameter and persistent buffer (a router's score correction bias) of the model quantkit builds for cfg
+    (on the meta device: no memory, no init), a tied lm_head once (as the embedding, which then also multiplies
+    every token)."""
     with torch.device("meta"), _SkipInit():
         model = CausalLM(cfg)
     spec = arch_spec(cfg.model_type)
@@ -129,9 +130,10 @@ def model_params(cfg: ModelConfig) -> list[Param]:
     if cfg.tie_word_embeddings:
         matmuls.add("model.embed_tokens.weight")
     expert_share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
+    buffers = [(name, b) for name, b in model.state_dict(keep_vars=True).items() if not isinstance(b, nn.Parameter)]
     return [Param(name, tuple(p.shape), name in quantized,
                   (expert_share if ".experts." in name else 1.0) if name in matmuls else 0.0)
-            for name, p in model.named_parameters()]
+            for name, p in [*model.named_parameters(), *buffers]]
 
 
 @dataclass(frozen=True)

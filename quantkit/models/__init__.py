@@ -11,6 +11,7 @@ from quantkit.models.arcee import ARCEE  # noqa: F401
 from quantkit.models.config import ModelConfig  # noqa: F401
 from quantkit.models.cohere import COHERE, COHERE2  # noqa: F401
 from quantkit.models.ernie4_5 import ERNIE4_5  # noqa: F401
+from quantkit.models.ernie4_5_moe import ERNIE4_5_MOE  # noqa: F401
 from quantkit.models.exaone4 import EXAONE4  # noqa: F401
 from quantkit.models.gemma import GEMMA  # noqa: F401
 from quantkit.models.gemma2 import GEMMA2  # noqa: F401

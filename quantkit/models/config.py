@@ -62,6 +62,7 @@ class ModelConfig:
     router_groups: int = 1
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    router_norm_min: float = 0.0  # ERNIE 4.5 MoE: the k weights divided by max(their sum, this)
     qk_norm: bool = False  # per-head q/k norms a config turns on (GLM-4.5's use_qk_norm), beside Family.qk_norm
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block
 

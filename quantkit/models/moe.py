@@ -3,14 +3,15 @@ on exactly the tokens routed to it.
 
 Tokens are grouped by expert (one argsort of the T * k choices, one bincount), so each active expert is one
 index_select -> expert -> weighted index_add: the expert's Linears (nn.Linear or QLinear) see only their tokens,
-which is what calibration hooks on them record. The router `gate` is a plain nn.Linear (SigmoidRouter: fp32
+which is what calibration hooks on them record. The router `gate` is a plain nn.Linear (a BiasedRouter: fp32
 logits): it is never quantized (a rounding flip would send tokens to other experts). `select` turns its logits into
-each token's experts and weights: softmax top-k (MoE), or GLM-4.5's grouped sigmoid (GroupedTopKMoE).
+each token's experts and weights: softmax top-k (MoE), GLM-4.5's grouped sigmoid (GroupedTopKMoE) or ERNIE 4.5's
+bias-corrected softmax (CorrectedSoftmaxMoE).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +29,14 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(experts)
         self.top_k, self.normalize, self.fp32_weights = top_k, normalize, fp32_weights
 
-    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """router logits [..., E] -> (weights [T, k], experts [T, k] int64) over the T flattened tokens."""
+    def select(self, logits: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """router logits [..., E] -> (weights [T, k], experts [T, k] int64) over the T flattened tokens; the weights
+        in `dtype` (the hidden states'; default the logits') unless fp32_weights."""
         logits = logits.reshape(-1, logits.shape[-1])
         top, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
-        return (top if self.fp32_weights else top.to(logits.dtype)), chosen
+        return (top if self.fp32_weights else top.to(dtype or logits.dtype)), chosen
 
     def groups(self, chosen: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """chosen [T, k] -> (expert e, its tokens [n] ascending, their slots [n] in chosen.flatten()) for every
@@ -50,7 +52,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [*lead, H] -> [*lead, H]: sum over each token's k experts of weight * expert(x)."""
-        weights, chosen = self.select(self.gate(x))
+        weights, chosen = self.select(self.gate(x), x.dtype)
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
         out = torch.zeros_like(flat)
         weights = weights.reshape(-1)  # [T * k]
@@ -60,14 +62,20 @@ class MoE(nn.Module):
         return out.view(x.shape)
 
 
-class SigmoidRouter(nn.Linear):
-    """GLM-4.5's router: logits in fp32 (x and the weight widened, as transformers computes them) and the
-    e_score_correction_bias [E] that shifts the scores experts are chosen by (not their weights); the loader keeps
-    both tensors fp32 in any model dtype (Family.fp32_tensors), as transformers does."""
+class BiasedRouter(nn.Linear):
+    """The router of GLM-4.5 and ERNIE 4.5 MoE: logits in fp32 (x and the weight widened, as transformers computes
+    them) and the e_score_correction_bias (E values, stored [E], or ERNIE's [1, E]) that shifts the scores experts
+    are chosen by (not their weights); the loader keeps both tensors fp32 in any model dtype (Family.fp32_tensors),
+    as transformers does."""
 
-    def __init__(self, hidden: int, experts: int):
+    def __init__(self, hidden: int, experts: int, bias_shape: tuple[int, ...]):
         super().__init__(hidden, experts, bias=False)
-        self.register_buffer("e_score_correction_bias", torch.zeros(experts))
+        self.register_buffer("e_score_correction_bias", torch.zeros(bias_shape))
+
+    @property
+    def score_bias(self) -> torch.Tensor:
+        """e_score_correction_bias as fp32 [E]."""
+        return self.e_score_correction_bias.float().reshape(-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())
@@ -83,13 +91,13 @@ class GroupedTopKMoE(MoE):
     def __init__(self, hidden: int, experts: list[nn.Module], top_k: int, normalize: bool, groups: int,
                  topk_groups: int, scaling: float, shared_experts: nn.Module):
         super().__init__(hidden, experts, top_k, normalize, fp32_weights=True)
-        self.gate = SigmoidRouter(hidden, len(experts))
+        self.gate = BiasedRouter(hidden, len(experts), (len(experts),))
         self.n_groups, self.topk_groups, self.scaling = groups, topk_groups, scaling
         self.shared_experts = shared_experts
 
-    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, logits: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
         scores = logits.reshape(-1, logits.shape[-1]).float().sigmoid()  # [T, E]
-        biased = scores + self.gate.e_score_correction_bias.float()
+        biased = scores + self.gate.score_bias
         t, e = biased.shape
         group_rank = biased.view(t, self.n_groups, e // self.n_groups).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
         best_groups = group_rank.topk(self.topk_groups, dim=-1)[1]
@@ -103,3 +111,26 @@ class GroupedTopKMoE(MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + self.shared_experts(x)
+
+
+class CorrectedSoftmaxMoE(MoE):
+    """ERNIE 4.5's MoE: softmax over the fp32 router logits; the top-k of softmax + e_score_correction_bias choose
+    the experts, weighted by their softmax values divided by max(their sum, norm_min), in the hidden dtype;
+    shared_experts (an MLP, or None) adds to every token."""
+
+    def __init__(self, hidden: int, experts: list[nn.Module], top_k: int, norm_min: float,
+                 shared_experts: Optional[nn.Module]):
+        super().__init__(hidden, experts, top_k, normalize=True, fp32_weights=False)
+        self.gate = BiasedRouter(hidden, len(experts), (1, len(experts)))
+        self.norm_min, self.shared_experts = norm_min, shared_experts
+
+    def select(self, logits: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)  # [T, E]
+        chosen = (probs + self.gate.score_bias).topk(self.top_k, dim=-1)[1]
+        weights = probs.gather(1, chosen)
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
+        return weights.to(dtype or logits.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = super().forward(x)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)

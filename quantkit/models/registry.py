@@ -171,6 +171,7 @@ REGISTRY: dict[str, ArchSpec] = {
     "qwen2_moe": _QWEN2_MOE,  # dense layers (mlp_only_layers, decoder_sparse_step) keep mlp.{gate,up,down}_proj
     "qwen3_moe": _QWEN3_MOE,
     "glm4_moe": _GLM4_MOE,  # dense first layers, routed experts and the always-on shared ones; router kept float
+    "ernie4_5_moe": _GLM4_MOE,  # the same names (mlp.gate, mlp.experts, mlp.shared_experts), dense layers too
     "olmoe": _QWEN3_MOE,  # the same names: mlp.gate, mlp.experts.{e}.{gate,up,down}_proj; its q/k norms feed no Linear
 }
 

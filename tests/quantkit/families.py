@@ -67,9 +67,12 @@ FAMILIES = {
     "glm4_moe": ("glm4_moe", dict(num_hidden_layers=3, head_dim=16, attention_bias=True, use_qk_norm=True,
                                   n_routed_experts=8, n_group=4, topk_group=2, n_shared_experts=2,
                                   routed_scaling_factor=2.5, first_k_dense_replace=1, **MOE)),  # layer 0 dense
+    "ernie4_5_moe": ("ernie4_5_moe", dict(num_hidden_layers=3, head_dim=16, moe_num_experts=4, moe_k=2,
+                                          moe_intermediate_size=32, moe_num_shared_experts=1,
+                                          moe_layer_start_index=1)),  # layer 0 dense, RoPE pairs
     "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32)),  # whole-projection q/k norms
 }
-MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"]
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "ernie4_5_moe"]
 
 
 def hf_model(name: str) -> nn.Module:
@@ -87,7 +90,7 @@ def random_hf_model(model_type: str, **extra) -> nn.Module:
                 p.normal_(mean=0.0 if model_type.startswith("gemma") else 1.0, std=0.1)
             elif pname.endswith("bias"):
                 p.normal_(std=0.1)
-        for bname, b in hf.named_buffers():  # GLM-4.5's router score correction: it changes which experts win
+        for bname, b in hf.named_buffers():  # GLM-4.5's router score correction (ERNIE's is a parameter, above)
             if bname.endswith("e_score_correction_bias"):
                 b.normal_(std=0.1)
     return hf.eval()

@@ -70,19 +70,21 @@ def test_greedy_continuation_equals_generate(name, pairs):
         assert torch.equal(ids, expected), name
 
 
+@pytest.mark.parametrize("name", ["glm4_moe", "ernie4_5_moe"])
 @torch.no_grad()
-def test_glm4_moe_routes_in_fp32_in_a_bf16_model(tmp_path_factory, bundled_dir):
-    """GLM-4.5's router weight and score correction bias stay fp32 in a bf16 model (transformers keeps them so): the
-    same bf16 hidden states choose the same experts with the same weights as transformers' bf16 model."""
+def test_corrected_routers_route_in_fp32_in_a_bf16_model(name, tmp_path_factory, bundled_dir):
+    """GLM-4.5's and ERNIE 4.5's router weight and score correction bias stay fp32 in a bf16 model (transformers
+    keeps them so): the same bf16 hidden states choose the same experts with the same weights as transformers' bf16
+    model."""
     from transformers import AutoModelForCausalLM
 
-    _, folder = saved_families(tmp_path_factory.mktemp("glm4-moe-bf16"), bundled_dir)("glm4_moe")
+    _, folder = saved_families(tmp_path_factory.mktemp(f"{name}-bf16"), bundled_dir)(name)
     hf_router = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).model.layers[1].mlp.gate
     moe = load_model(str(folder), dtype=torch.bfloat16).model.model.layers[1].mlp
     assert moe.experts[0].gate_proj.weight.dtype == torch.bfloat16
     assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == hf_router.weight.dtype == torch.float32
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    weights, chosen = moe.select(moe.gate(x))
+    weights, chosen = moe.select(moe.gate(x), x.dtype)  # as MoE.forward calls it
     _, hf_weights, hf_chosen = hf_router(x)
     assert torch.equal(chosen, hf_chosen)
     torch.testing.assert_close(weights, hf_weights, atol=1e-6, rtol=0)

@@ -85,7 +85,7 @@ REFUSED = {  # config.json of architectures quantkit does not run (only the conf
 def test_unsupported_architectures_are_one_error_line_before_any_weight_loads(tmp_path, arch):
     (tmp_path / "config.json").write_text(json.dumps(REFUSED[arch]))
     expected = (f"error: {tmp_path}: config.json model_type {REFUSED[arch]['model_type']!r} is not supported: "
-                f"quantkit runs Cohere (cohere), Cohere 2 (cohere2), ERNIE 4.5 (ernie4_5), ")
+                f"quantkit runs Arcee (arcee), Cohere (cohere), Cohere 2 (cohere2), ERNIE 4.5 (ernie4_5), ")
     assert one_error_line(quantkit_cli("calibrate", str(tmp_path), "--method", "rtn",
                                        "--out", str(tmp_path / "out"))).startswith(expected)
     assert one_error_line(quantkit_cli("serve", str(tmp_path))).startswith(expected)

@@ -45,8 +45,8 @@ from tests.quantkit.families import BASE, FAMILIES, MOE_FAMILIES, hf_model
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 # the families whose layer 0 is a softmax-routed MoE block of 4 experts, which the starving below steers (GLM-4.5's
-# grouped sigmoid routing behind a dense layer 0 is checked against transformers in test_families.py)
-SOFTMAX_ROUTED = [name for name in MOE_FAMILIES if name != "glm4_moe"]
+# and ERNIE 4.5's corrected routing behind a dense layer 0 is checked against transformers in test_families.py)
+SOFTMAX_ROUTED = [name for name in MOE_FAMILIES if name not in ("glm4_moe", "ernie4_5_moe")]
 STARVED, CHANNEL, PUSH = 3, 0, 2.0
 HIDDEN = BASE["hidden_size"]  # the default --moe-min-tokens
 _g = torch.Generator().manual_seed(11)
