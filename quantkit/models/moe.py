@@ -21,12 +21,16 @@ from torch import nn
 class MoE(nn.Module):
     """softmax over the router logits (fp32) -> top-k; normalize: the k weights rescaled to sum to 1 (Mixtral
     always, which equals a softmax over the top-k logits; Qwen when norm_topk_prob); fp32_weights: the weights stay
-    fp32 when multiplying the expert outputs (Mixtral) instead of the model dtype (Qwen), as in HF."""
+    fp32 when multiplying the expert outputs (Mixtral) instead of the model dtype (Qwen), as in HF. gate: the
+    router (default a bias-free nn.Linear); shared_experts: an MLP every token also runs, added after the routed
+    experts' sum (GLM-4.5, ERNIE 4.5), or None."""
 
-    def __init__(self, hidden: int, experts: list[nn.Module], top_k: int, normalize: bool, fp32_weights: bool):
+    def __init__(self, hidden: int, experts: list[nn.Module], top_k: int, normalize: bool, fp32_weights: bool,
+                 gate: Optional[nn.Module] = None, shared_experts: Optional[nn.Module] = None):
         super().__init__()
-        self.gate = nn.Linear(hidden, len(experts), bias=False)
+        self.gate = gate if gate is not None else nn.Linear(hidden, len(experts), bias=False)
         self.experts = nn.ModuleList(experts)
+        self.shared_experts = shared_experts
         self.top_k, self.normalize, self.fp32_weights = top_k, normalize, fp32_weights
 
     def select(self, logits: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +63,8 @@ class MoE(nn.Module):
         for e, tokens, slots in self.groups(chosen):
             y = self.experts[e](flat.index_select(0, tokens))  # [n, H]
             out.index_add_(0, tokens, (y * weights[slots, None]).to(out.dtype))
-        return out.view(x.shape)
+        out = out.view(x.shape)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
 class BiasedRouter(nn.Linear):
@@ -85,15 +90,13 @@ class GroupedTopKMoE(MoE):
     """GLM-4.5's MoE (DeepSeek-V3's routing): scores = sigmoid(logits); the experts fall in `groups` groups, each
     group ranked by the sum of its two best biased scores (score + e_score_correction_bias), the experts of the best
     `topk_groups` groups eligible; the top-k eligible biased scores choose the experts, weighted by their unbiased
-    scores (renormalised to sum 1 + 1e-20 with `normalize`) times `scaling`, in fp32. shared_experts (an MLP) adds
-    to every token."""
+    scores (renormalised to sum 1 + 1e-20 with `normalize`) times `scaling`, in fp32."""
 
     def __init__(self, hidden: int, experts: list[nn.Module], top_k: int, normalize: bool, groups: int,
                  topk_groups: int, scaling: float, shared_experts: nn.Module):
-        super().__init__(hidden, experts, top_k, normalize, fp32_weights=True)
-        self.gate = BiasedRouter(hidden, len(experts), (len(experts),))
+        super().__init__(hidden, experts, top_k, normalize, True, BiasedRouter(hidden, len(experts), (len(experts),)),
+                         shared_experts)
         self.n_groups, self.topk_groups, self.scaling = groups, topk_groups, scaling
-        self.shared_experts = shared_experts
 
     def select(self, logits: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
         scores = logits.reshape(-1, logits.shape[-1]).float().sigmoid()  # [T, E]
@@ -109,20 +112,16 @@ class GroupedTopKMoE(MoE):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, chosen
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + self.shared_experts(x)
-
 
 class CorrectedSoftmaxMoE(MoE):
     """ERNIE 4.5's MoE: softmax over the fp32 router logits; the top-k of softmax + e_score_correction_bias choose
-    the experts, weighted by their softmax values divided by max(their sum, norm_min), in the hidden dtype;
-    shared_experts (an MLP, or None) adds to every token."""
+    the experts, weighted by their softmax values divided by max(their sum, norm_min), in the hidden dtype."""
 
     def __init__(self, hidden: int, experts: list[nn.Module], top_k: int, norm_min: float,
                  shared_experts: Optional[nn.Module]):
-        super().__init__(hidden, experts, top_k, normalize=True, fp32_weights=False)
-        self.gate = BiasedRouter(hidden, len(experts), (1, len(experts)))
-        self.norm_min, self.shared_experts = norm_min, shared_experts
+        super().__init__(hidden, experts, top_k, True, False, BiasedRouter(hidden, len(experts), (1, len(experts))),
+                         shared_experts)
+        self.norm_min = norm_min
 
     def select(self, logits: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)  # [T, E]
@@ -130,7 +129,3 @@ class CorrectedSoftmaxMoE(MoE):
         weights = probs.gather(1, chosen)
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
         return weights.to(dtype or logits.dtype), chosen
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = super().forward(x)
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
