@@ -1,13 +1,15 @@
-# layer_ops - a model's per-token ops on CUDA (TorchOps' contract) on the Triton kernels where they have one
+# layer_ops - a model's per-token ops on CUDA (TorchOps' contract) on the Triton kernels
 """TritonOps: the CUDA counterpart of kernels/cpu/fused.py's CpuFusedOps, set by serving on CUDA (serve/prepare.py).
 
   rms_norm  the residual add and the RMSNorm in one launch (rmsnorm.py), where torch runs about eight kernels
-  silu_mul  silu(gate) * up in one launch (silu_gate.py), where torch runs two
+  silu_mul  silu(gate) * up in one launch (silu_gate.py), where torch runs two; gelu_tanh_mul (GeGLU) and
+            activation (the MLPs without gate) likewise
+  fp32_norm the norms rounded once from fp32 (Gemma's, OLMo's, LayerNorm) in rms_norm's launch
   rope      q and k rotated in place in one launch (rope.py), where torch runs about ten kernels (the cos/sin
             rows are the rotary embedding's, computed once per forward)
 
 Each kernel rounds as the torch ops do (their docstrings): outputs match TorchOps up to the evaluation order of
-fp32 reductions. Inputs the kernels do not take (another device, mixed dtypes, a strided last dimension, another
+fp32 reductions (and gelu's tanh, computed as a sigmoid). Inputs the kernels do not take (another device, mixed dtypes, a strided last dimension, another
 dtype) take `fallback`. The kernels' grids depend only on shapes, so they run inside the decode CUDA graphs.
 """
 
@@ -18,9 +20,9 @@ from typing import Optional
 import torch
 import triton
 
-from .rmsnorm import rmsnorm
+from .rmsnorm import fp32_norm, rmsnorm
 from .rope import rope_
-from .silu_gate import silu_gate
+from .silu_gate import activation, gelu_gate, silu_gate
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -57,16 +59,23 @@ class TritonOps:
 
     def fp32_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
                   offset: float, centered: bool, bias: Optional[torch.Tensor] = None):
-        """No kernel yet (OLMo 2's, Gemma's and the LayerNorms): the fallback's."""
-        return self.fallback.fp32_norm(x, residual, weight, eps, offset, centered, bias)
-
-    def activation(self, x: torch.Tensor, kind: str) -> torch.Tensor:
-        """No kernel yet (the MLPs without gate): the fallback's."""
-        return self.fallback.activation(x, kind)
+        """-> ((offset + weight) * norm(x + residual) + bias, x + residual), rounded once from fp32."""
+        if not _ours(x, weight) or (residual is not None and (not _ours(residual, x) or residual.shape != x.shape)) \
+                or (bias is not None and not _ours(bias, x)):
+            return self.fallback.fp32_norm(x, residual, weight, eps, offset, centered, bias)
+        if residual is None:
+            return fp32_norm(x, weight, eps, offset, centered, bias), x
+        return fp32_norm(x, weight, eps, offset, centered, bias, residual)
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """No kernel yet (Gemma's GeGLU): the fallback's."""
-        return self.fallback.gelu_tanh_mul(gate, up)
+        if not _ours(gate, up) or gate.shape != up.shape:
+            return self.fallback.gelu_tanh_mul(gate, up)
+        return gelu_gate(gate, up)
+
+    def activation(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        if not _ours(x, x):
+            return self.fallback.activation(x, kind)
+        return activation(x, kind)
 
 
 def _ours(x: torch.Tensor, other: torch.Tensor) -> bool:

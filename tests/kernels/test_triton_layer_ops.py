@@ -1,6 +1,7 @@
 """TritonOps (kernels/triton/layer_ops.py), the per-token ops serving sets on CUDA: which inputs take the Triton
-kernels and which the fallback, RoPE (kernels/triton/rope.py) against the model's apply_rope, and a model's
-logits with them against the same model on its torch ops.
+kernels and which the fallback, RoPE (kernels/triton/rope.py) against the model's apply_rope, the fp32-rounded norms
+and the GeGLU / relu^2 / gelu activations against TorchOps, and a model's logits with them against the same model
+on its torch ops (Llama, Gemma 2, OLMo 2, Cohere, StarCoder2, Nemotron).
 
 Runs under TRITON_INTERPRET=1 on CPU (tests/kernels/triton_env.py), compiled on CUDA with TRITON_INTERPRET=0.
 RoPE rounds bf16 itself in the interpreter (common.round_to); the norms do not, so the model runs in fp32 and fp16
@@ -67,11 +68,33 @@ def test_rope_rotates_q_and_k_in_place_as_apply_rope_does(dtype, partial):
     assert torch.equal(got_q[0], expected_q) and torch.equal(got_k[0], expected_k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("offset, centered, biased", [(0.0, False, False), (1.0, False, False), (0.0, True, False),
+                                                     (1.0, True, True)])  # OLMo 2, Gemma, Cohere, Nemotron
+def test_fp32_norms_and_activations_match_the_torch_ops(dtype, offset, centered, biased):
+    gen = torch.Generator().manual_seed(2)
+    x = (2 + torch.randn(5, 96, generator=gen)).to(DEVICE, dtype)
+    residual = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
+    weight = (0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
+    bias = torch.randn(96, generator=gen).to(DEVICE, dtype) if biased else None
+    ops, tol = TritonOps(TorchOps), 1e-5 if dtype == torch.float32 else 4e-3
+    for residual_or_none in (residual, None):
+        got = ops.fp32_norm(x, residual_or_none, weight, 1e-6, offset, centered, bias)
+        want = TorchOps.fp32_norm(x, residual_or_none, weight, 1e-6, offset, centered, bias)
+        torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
+        assert torch.equal(got[1], want[1])
+    gate, up = x[:, :48] - 2, x[:, 48:]  # strided halves of one gate_up output
+    torch.testing.assert_close(ops.gelu_tanh_mul(gate, up), TorchOps.gelu_tanh_mul(gate, up), rtol=tol, atol=tol)
+    for kind in ("gelu_tanh", "relu2"):
+        torch.testing.assert_close(ops.activation(gate, kind), TorchOps.activation(gate, kind), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
-def test_a_model_on_the_triton_ops_gives_its_torch_logits(dtype, atol):
-    """The ops' contract as the model uses it: every RMSNorm (residual adds fused), every SiLU-and-multiply."""
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "olmo2", "cohere", "starcoder2", "nemotron"])
+def test_a_model_on_the_triton_ops_gives_its_torch_logits(dtype, atol, model_type):
+    """The ops' contract as the model uses it: every norm (residual adds fused), every gated or plain activation."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig.from_hf(tiny_hf_config(vocab_size=256))).to(DEVICE, dtype).eval()
+    model = LlamaForCausalLM(ModelConfig.from_hf(tiny_hf_config(model_type, vocab_size=256))).to(DEVICE, dtype).eval()
     ids = torch.randint(3, 256, (2, 12), device=DEVICE)
     with torch.inference_mode():
         expected = model(ids).float()
