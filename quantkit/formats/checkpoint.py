@@ -98,7 +98,11 @@ def save_checkpoint(out_dir, model: nn.Module, hf_config: dict, tokenizer, layou
         raise QuantkitError("the model has no quantized (QLinear) modules to save: quantize it first")
     scheme, per_module = _schemes(qlinears, layout, (meta.get("scheme") or {}).get("static_groups", False))
     dtype = base_dtype(hf_config)
-    skipped = sorted(name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head")
+    family = FAMILIES.get(hf_config.get("model_type"))
+    stored = family.checkpoint_module if family is not None else str  # module names as the checkpoint spells them
+    skipped = sorted(stored(name) for name, m in model.named_modules()
+                     if isinstance(m, nn.Linear) and name != "lm_head")
+    per_module = None if per_module is None else {stored(name): s for name, s in per_module.items()}
     if tensors is None:
         tensors = {k: Stored.of(t) for k, t in checkpoint_tensors(model, hf_config, layout, dtype).items()}
 

@@ -21,6 +21,7 @@ from quantkit.models.glm4_moe import GLM4_MOE  # noqa: F401
 from quantkit.models.granite import GRANITE  # noqa: F401
 from quantkit.models.helium import HELIUM  # noqa: F401
 from quantkit.models.hunyuan import HUNYUAN  # noqa: F401
+from quantkit.models.hunyuan_moe import HUNYUAN_MOE  # noqa: F401
 from quantkit.models.llama import LLAMA  # noqa: F401
 from quantkit.models.ministral import MINISTRAL  # noqa: F401
 from quantkit.models.ministral3 import MINISTRAL3  # noqa: F401

@@ -84,6 +84,10 @@ class Family:
             name = name.replace(ours, stored)
         return name
 
+    def checkpoint_module(self, name: str) -> str:
+        """A module's name (no trailing parameter) as the family's checkpoints spell it."""
+        return self.checkpoint_name(name + ".")[:-1]
+
 
 FAMILIES: dict[str, Family] = {}  # model_type -> its family
 

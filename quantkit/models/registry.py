@@ -172,6 +172,7 @@ REGISTRY: dict[str, ArchSpec] = {
     "qwen3_moe": _QWEN3_MOE,
     "glm4_moe": _GLM4_MOE,  # dense first layers, routed experts and the always-on shared ones; router kept float
     "ernie4_5_moe": _GLM4_MOE,  # the same names (mlp.gate, mlp.experts, mlp.shared_experts), dense layers too
+    "hunyuan_v1_moe": _GLM4_MOE,  # its shared_mlp renamed shared_experts at load, its router mlp.gate.wg mlp.gate
     "olmoe": _QWEN3_MOE,  # the same names: mlp.gate, mlp.experts.{e}.{gate,up,down}_proj; its q/k norms feed no Linear
 }
 

@@ -70,9 +70,10 @@ FAMILIES = {
     "ernie4_5_moe": ("ernie4_5_moe", dict(num_hidden_layers=3, head_dim=16, moe_num_experts=4, moe_k=2,
                                           moe_intermediate_size=32, moe_num_shared_experts=1,
                                           moe_layer_start_index=1)),  # layer 0 dense, RoPE pairs
+    "hunyuan_moe": ("hunyuan_v1_moe", dict(head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32)),
     "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32)),  # whole-projection q/k norms
 }
-MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "ernie4_5_moe"]
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "ernie4_5_moe", "hunyuan_moe"]
 
 
 def hf_model(name: str) -> nn.Module:

@@ -44,9 +44,10 @@ from tests.quantkit.families import BASE, FAMILIES, MOE_FAMILIES, hf_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
-# the families whose layer 0 is a softmax-routed MoE block of 4 experts, which the starving below steers (GLM-4.5's
-# and ERNIE 4.5's corrected routing behind a dense layer 0 is checked against transformers in test_families.py)
-SOFTMAX_ROUTED = [name for name in MOE_FAMILIES if name not in ("glm4_moe", "ernie4_5_moe")]
+# the families whose layer 0 is a softmax-routed MoE block of 4 experts, which the starving below steers: not GLM-4.5's
+# and ERNIE 4.5's corrected routing behind a dense layer 0, nor Hunyuan's, whose layer-0 router input the embedding
+# channel does not steer (expert 3 keeps 6 tokens); test_families.py checks their routing against transformers
+SOFTMAX_ROUTED = [name for name in MOE_FAMILIES if name not in ("glm4_moe", "ernie4_5_moe", "hunyuan_moe")]
 STARVED, CHANNEL, PUSH = 3, 0, 2.0
 HIDDEN = BASE["hidden_size"]  # the default --moe-min-tokens
 _g = torch.Generator().manual_seed(11)
@@ -58,6 +59,11 @@ TOKENS = CALIB.input_ids.numel()  # 384, no mask: every token counts
 def config(method: str, **extra) -> CalibConfig:
     return CalibConfig.from_flat({"method": method, "group_size": 32, "num_samples": 12, "seq_len": 32,
                                   "compute_dtype": "float32", **extra})
+
+
+def router_weight(router) -> torch.Tensor:
+    """A transformers router's weight [E, H] (Hunyuan's router holds it in its Linear `wg`)."""
+    return getattr(router, "wg", router).weight
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +79,8 @@ def starved(tmp_path_factory, bundled_dir):
             hf.model.embed_tokens.weight[:, CHANNEL] = 0.5
             for layer in hf.model.layers:
                 if hasattr(layer.mlp, "experts"):
-                    layer.mlp.gate.weight[:, CHANNEL] = 0.0
-            hf.model.layers[0].mlp.gate.weight[STARVED, CHANNEL] = -PUSH
+                    router_weight(layer.mlp.gate)[:, CHANNEL] = 0.0
+            router_weight(hf.model.layers[0].mlp.gate)[STARVED, CHANNEL] = -PUSH
         folder = root / name
         hf.save_pretrained(folder)
         tokenizer.save_pretrained(folder)

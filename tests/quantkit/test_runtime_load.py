@@ -35,7 +35,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantkit.config import CalibConfig
+from quantkit.config import CalibConfig, QuantScheme
 from quantkit.formats.checkpoint import qlinear_modules, read_quantized, save_checkpoint
 from quantkit.models.loader import load_model
 from quantkit.quant.calibrate import calibrate
@@ -95,7 +95,8 @@ def assert_experts_are_ours(hf, model) -> None:
             parts = (expert.gate_proj, expert.up_proj, expert.down_proj)
             ours = [dequantize(m.qtensor(), torch.float16) for m in parts]
             assert torch.equal(gate_up[e], torch.cat(ours[:2])) and torch.equal(down[e], ours[2]), (i, e)
-        assert torch.equal(state[f"model.layers.{i}.mlp.gate.weight"], block.gate.weight), i
+        router = model.family.checkpoint_name(f"model.layers.{i}.mlp.gate.weight")  # Hunyuan's: mlp.gate.wg
+        assert torch.equal(state[router], block.gate.weight), i
 
 
 @pytest.mark.parametrize("name, scheme", CASES)
@@ -110,8 +111,28 @@ def test_compressed_tensors_loads_in_transformers_with_quantkit_logits(name, sch
     if name in MOE_FAMILIES:
         assert_experts_are_ours(hf, model)
         ignore = json.loads((folder / "config.json").read_text())["quantization_config"]["ignore"]
-        routers = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+        routers = {model.family.checkpoint_module(n) for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and n != "lm_head"}  # as the checkpoint names them
         assert routers and routers <= set(ignore), ignore  # routers (and Qwen2-MoE's shared_expert_gate) float
+
+
+@torch.no_grad()
+def test_a_mixed_starcoder2_folder_names_its_modules_as_its_checkpoint_does(tmp_path, bundled_dir):
+    """The compressed-tensors config groups of a mix of schemes name StarCoder2's MLP as its checkpoints do (c_fc,
+    c_proj, not quantkit's up_proj / down_proj), so transformers finds every module's scheme."""
+    loaded = load_model(str(saved_families(tmp_path, bundled_dir)("starcoder2")[1]))
+    model = copy.deepcopy(loaded.model)
+    mix = {"model.layers.0.mlp.up_proj": QuantScheme(8, -1), "model.layers.1.mlp.down_proj": None}
+    cfg = CalibConfig(method="rtn", scheme=QuantScheme(4, 32), layout="compressed-tensors", layer_schemes=mix)
+    calibrate(model, loaded.hf_config, None, cfg, progress=False)
+    folder = save_checkpoint(tmp_path / "mixed", model, loaded.hf_config, loaded.tokenizer, "compressed-tensors",
+                             {"method": "rtn"})
+    quantization = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert "model.layers.1.mlp.c_proj" in quantization["ignore"]
+    targets = [t for group in quantization["config_groups"].values() for t in group["targets"]]
+    assert any("c_fc" in t for t in targets) and "up_proj" not in json.dumps(quantization), targets
+    torch.testing.assert_close(transformers_load(folder)(IDS).logits, load_model(str(folder)).model(IDS), atol=FP32_ATOL,
+                               rtol=0)
 
 
 @pytest.mark.parametrize("name", DENSE)
