@@ -72,10 +72,14 @@ def attention_and_layer_kernels(arch: int) -> None:
     compile_for(arch, kv_store._kv_store_kernel, {**act_ptrs("fp16", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr"),
                                                   "slot_ptr": "i64"},
                 dict(HEAD_DIM=128, NUM_ELEMS=1024, BLOCK=1024), wide=("stride_cb",))
-    compile_for(arch, rmsnorm._rmsnorm_kernel, act_ptrs("bf16", "x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"),
-                dict(HAS_RESIDUAL=True, BLOCK_H=4096), floats=("eps",), warps=16)
-    compile_for(arch, silu_gate._silu_gate_kernel, act_ptrs("fp16", "g_ptr", "u_ptr", "out_ptr"),
-                dict(EXACT_BF16=False, BLOCK=1024))
+    norm_ptrs = act_ptrs("bf16", "x_ptr", "res_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr")
+    for fp32 in (False, True):  # RMSNorm; LayerNorm with bias, rounded once (fp32_norm)
+        compile_for(arch, rmsnorm._rmsnorm_kernel, norm_ptrs, dict(HAS_RESIDUAL=True, FP32_SCALE=fp32, CENTERED=fp32,
+                                                                    HAS_BIAS=fp32, BLOCK_H=4096),
+                    floats=("eps", "offset"), warps=16)
+    for act, has_up in ((0, True), (2, False)):  # SwiGLU; relu^2 alone
+        compile_for(arch, silu_gate._silu_gate_kernel, act_ptrs("fp16", "g_ptr", "u_ptr", "out_ptr"),
+                    dict(ACT=act, HAS_UP=has_up, EXACT_BF16=False, BLOCK=1024))
     compile_for(arch, rope._rope_kernel, act_ptrs("bf16", "q_ptr", "k_ptr", "cos_ptr", "sin_ptr"),
                 dict(HALF=64, BLOCK=64, EXACT_BF16=False))
 
