@@ -191,8 +191,7 @@ def checkpoint_tensors(module: nn.Module, hf_config: dict, layout: str, dtype: t
     entries = fused.as_stored(hf_config, entries)
     tensors = _quantized_tensors(fused.fuse(hf_config.get("model_type", "llama"), entries), layout, dtype)
     family = FAMILIES.get(hf_config.get("model_type"))
-    fp32 = family.fp32_tensors if family is not None else ()
-    floats = {prefix + k: t for k, t in _float_tensors(module, qlinears, hf_config, dtype, fp32).items()}
+    floats = _float_tensors(module, qlinears, hf_config, dtype, family, prefix)
     if family is not None and not family.stored_as_built:  # names and q/k rows as stored (models/keys.py)
         floats = family.checkpoint_tensors(floats, ModelConfig.from_hf(hf_config))
     return {**tensors, **floats}
@@ -209,18 +208,19 @@ def _quantized_tensors(entries: dict[str, fused.Entry], layout: str, dtype: torc
     return out
 
 
-def _float_tensors(model: nn.Module, qlinears: dict[str, QLinear], hf_config: dict, dtype: torch.dtype,
-                   fp32: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers outside the QLinears, in `dtype` (float32: the names ending in `fp32`, the
-    family's fp32_tensors, as loaded); a tied lm_head is left out."""
+def _float_tensors(model: nn.Module, qlinears: dict[str, QLinear], hf_config: dict, dtype: torch.dtype, family,
+                   prefix: str) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers outside the QLinears, named prefix + their name in `model`, in `dtype` (or
+    as the family's stored_dtype says: float32 for its fp32_tensors, as loaded); a tied lm_head is left out."""
     inside = tuple(f"{name}." for name in qlinears)
     tied = hf_config.get("tie_word_embeddings", False)
     out = {}
     for key, t in model.state_dict().items():
         if key.startswith(inside) or (tied and key == "lm_head.weight"):
             continue
-        kept = torch.float32 if fp32 and key.endswith(fp32) else dtype
-        out[key] = t.detach().to("cpu", kept if t.is_floating_point() else t.dtype).contiguous()
+        name = prefix + key
+        kept = family.stored_dtype(name, dtype) if family is not None else dtype
+        out[name] = t.detach().to("cpu", kept if t.is_floating_point() else t.dtype).contiguous()
     return out
 
 

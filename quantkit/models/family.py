@@ -84,6 +84,11 @@ class Family:
             name = name.replace(ours, stored)
         return name
 
+    def stored_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the float tensor `name` (its full model name) is loaded and written in: float32 for the
+        fp32_tensors, else `dtype`."""
+        return torch.float32 if self.fp32_tensors and name.endswith(self.fp32_tensors) else dtype
+
     def checkpoint_module(self, name: str) -> str:
         """A module's name (no trailing parameter) as the family's checkpoints spell it."""
         return self.checkpoint_name(name + ".")[:-1]

@@ -185,8 +185,7 @@ def load_state(model: CausalLM, state: dict[str, torch.Tensor], folder: Path, dt
     unexpected = sorted(k for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise QuantkitError(f"{folder}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all) for this architecture")
-    fp32 = model.family.fp32_tensors
-    model.load_state_dict({k: state[k].to(torch.float32 if fp32 and k.endswith(fp32) else dtype) for k in expected},
-                          strict=False, assign=True)
+    model.load_state_dict({k: state[k].to(model.family.stored_dtype(k, dtype)) for k in expected}, strict=False,
+                          assign=True)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

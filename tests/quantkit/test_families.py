@@ -90,6 +90,25 @@ def test_corrected_routers_route_in_fp32_in_a_bf16_model(name, tmp_path_factory,
     torch.testing.assert_close(weights, hf_weights, atol=1e-6, rtol=0)
 
 
+@torch.no_grad()
+def test_glm4_moe_router_is_written_fp32_whole_or_block_by_block(pairs):
+    """The writer keeps GLM-4.5's router weight and correction bias fp32 in an fp16 checkpoint, whether it writes the
+    whole model or one block at a time (bounded calibration: names relative to the block, then prefixed)."""
+    from quantkit.formats.checkpoint import checkpoint_tensors
+
+    _, loaded = pairs("glm4_moe")
+    model = copy.deepcopy(loaded.model)
+    calibrate(model, loaded.hf_config, None, CalibConfig.from_flat({"method": "rtn", "group_size": 32}),
+              progress=False)
+    whole = checkpoint_tensors(model, loaded.hf_config, "compressed-tensors", torch.float16)
+    block = checkpoint_tensors(model.model.layers[1], loaded.hf_config, "compressed-tensors", torch.float16,
+                               "model.layers.1.")
+    for tensors in (whole, block):
+        router = "model.layers.1.mlp.gate."
+        assert tensors[router + "weight"].dtype == tensors[router + "e_score_correction_bias"].dtype == torch.float32
+        assert tensors["model.layers.1.input_layernorm.weight"].dtype == torch.float16
+
+
 def test_glm4_moe_multi_token_prediction_layers_are_not_read():
     """GLM-4.5 releases store num_nextn_predict_layers layers after the decoder's (model.layers.46 of 46)."""
     from quantkit.models.config import ModelConfig
