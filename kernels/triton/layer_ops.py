@@ -9,8 +9,9 @@
             rows are the rotary embedding's, computed once per forward)
 
 Each kernel rounds as the torch ops do (their docstrings): outputs match TorchOps up to the evaluation order of
-fp32 reductions (and gelu's tanh, computed as a sigmoid). Inputs the kernels do not take (another device, mixed dtypes, a strided last dimension, another
-dtype) take `fallback`. The kernels' grids depend only on shapes, so they run inside the decode CUDA graphs.
+fp32 reductions (and gelu's tanh, computed as a sigmoid). Inputs the kernels do not take (another device, mixed
+dtypes, a strided last dimension, another dtype) take `fallback`. The kernels' grids depend only on shapes, so they
+run inside the decode CUDA graphs.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class TritonOps:
-    """A model's per-token ops (module docstring); `fallback` has the same three (the model's torch ops)."""
+    """A model's per-token ops (module docstring); `fallback` has the same ops (the model's torch ops)."""
 
     def __init__(self, fallback):
         self.fallback = fallback
 
     def rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
         """-> (weight * norm(x + residual), x + residual) (x alone when residual is None)."""
-        if not _ours(x, weight) or (residual is not None and (not _ours(residual, x) or residual.shape != x.shape)):
+        if not _norm_ours(x, residual, weight):
             return self.fallback.rms_norm(x, residual, weight, eps)
         if residual is None:
             return rmsnorm(x, weight, eps), x
@@ -60,8 +61,7 @@ class TritonOps:
     def fp32_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
                   offset: float, centered: bool, bias: Optional[torch.Tensor] = None):
         """-> ((offset + weight) * norm(x + residual) + bias, x + residual), rounded once from fp32."""
-        if not _ours(x, weight) or (residual is not None and (not _ours(residual, x) or residual.shape != x.shape)) \
-                or (bias is not None and not _ours(bias, x)):
+        if not _norm_ours(x, residual, weight, bias):
             return self.fallback.fp32_norm(x, residual, weight, eps, offset, centered, bias)
         if residual is None:
             return fp32_norm(x, weight, eps, offset, centered, bias), x
@@ -76,6 +76,13 @@ class TritonOps:
         if not _ours(x, x):
             return self.fallback.activation(x, kind)
         return activation(x, kind)
+
+
+def _norm_ours(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+               bias: Optional[torch.Tensor] = None) -> bool:
+    """The norm kernels take x, weight and bias (where given) alike, and a residual (where given) shaped as x."""
+    return _ours(x, weight) and (residual is None or (_ours(residual, x) and residual.shape == x.shape)) and (
+        bias is None or _ours(bias, x))
 
 
 def _ours(x: torch.Tensor, other: torch.Tensor) -> bool:

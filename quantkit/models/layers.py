@@ -16,6 +16,11 @@ from torch import nn
 from quantkit.errors import QuantkitError
 
 
+# an MLP without gate's activation by kind: relu(x)^2 (Nemotron, Arcee), gelu's tanh approximation (StarCoder2)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu2": lambda x: torch.square(F.relu(x)), "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class TorchOps:
     """The per-token ops between the matmuls, in plain torch (any device, dtype and layout). A serving runner may
     swap in fused kernels with the same contract (kernels/cpu/fused.py) through CausalLM.set_ops."""
@@ -44,8 +49,8 @@ class TorchOps:
 
     @staticmethod
     def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
-        """The activation of an MLP without gate: "relu2" (relu(x)^2) or "gelu_tanh" (gelu's tanh approximation)."""
-        return torch.square(F.relu(x)) if kind == "relu2" else F.gelu(x, approximate="tanh")
+        """The activation of an MLP without gate, by kind (ACTIVATIONS)."""
+        return ACTIVATIONS[kind](x)
 
     @staticmethod
     def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: "RotaryEmbedding"):
