@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from quantkit.kernels.cpu import logits as cpu_logits
+from quantkit.kernels.cpu import moe as cpu_moe
 from quantkit.kernels.cpu import step_plan
 from quantkit.kernels.cpu.fused import CpuFusedOps, rope_table_rows
 from quantkit.kernels.cpu.step_plan import Plan
@@ -36,16 +37,14 @@ from quantkit.models.attention import Attention, kernel_servable, position_scale
 from quantkit.models.blocks import DecoderLayer
 from quantkit.models.layers import (MLP, Fp32LayerNorm, Fp32RMSNorm, GeGLUMLP, GeluTanhMLP, LayerNorm, LayerNorm1P,
                                     OffsetRMSNorm, Relu2MLP, RMSNorm)
-from quantkit.quant.qlinear import QLinear, packed_kernel
 from quantkit.serve.attention import TorchPagedAttention
-from quantkit.serve.cpu_linear import FusedLinear, PackedLinear
+from quantkit.serve.cpu_moe import CpuMoE
+from quantkit.serve.cpu_plan_linears import record_fused, record_linear
 from quantkit.serve.prepare import FusedAttention, FusedMLP
 
 log = logging.getLogger("quantkit.serve")
 
 MAX_PLAN_BATCH = 64  # sequences: above, a step's Python is a small share of its kernels and the buffers grow
-# the W4/W8 kernels of qlinear.packed_kernel, by name, as a plan records them
-_PLAN_KERNELS = {"gemv": Plan.qgemv, "rowwise": Plan.rowwise_qgemm, "amx": Plan.qgemm}
 # the norm classes the C kernels compute exactly
 _NORMS = (RMSNorm, Fp32RMSNorm, OffsetRMSNorm, Fp32LayerNorm, LayerNorm, LayerNorm1P)
 _GATED = {MLP: Plan.silu_mul, GeGLUMLP: Plan.gelu_tanh_mul}  # the MLPs of separate gate and up linears
@@ -84,8 +83,8 @@ def _layer_unsupported(layer, attn: TorchPagedAttention, i: int) -> Optional[str
             return f"{type(norm).__name__} (a norm the C kernels compute)"
     if type(sa) not in (Attention, FusedAttention):
         return f"{type(sa).__name__}"
-    if type(layer.ffn) not in (*_GATED, FusedMLP, *_UP_DOWN):
-        return f"{type(layer.ffn).__name__} (a dense MLP)"
+    if type(layer.ffn) not in (*_GATED, FusedMLP, *_UP_DOWN, CpuMoE):
+        return f"{type(layer.ffn).__name__} (a dense MLP or a CpuMoE)"
     if layer.rotary is not None and layer.rotary.long_inv_freq is not None:
         return "longrope's frequencies, not settled for one serving length"
     if attn.rows_kernel is None and (attn.decode_kernel is None or not kernel_servable(sa.spec)):
@@ -113,7 +112,7 @@ class Plans:
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self._rope: dict[int, torch.Tensor] = {}  # id(inv_freq) -> its table over every position
         self._scales: dict[tuple[float, int], torch.Tensor] = {}  # query_scale -> _query_scales' table
-        self._keep: list[torch.Tensor] = []  # bf16 copies the plans read (biases)
+        self._moe_scratch: dict[tuple[int, int, int, int], cpu_moe.Scratch] = {}  # (H, I, E, k) -> its buffers
         self.plans: dict[int, Optional[Plan]] = {}
         self.eager_head: set[int] = set()  # batch sizes whose plan ends at the final norm
         self._logits32: Optional[torch.Tensor] = None  # fp32 [top, V]: the logits a step returns, valid until the next
@@ -170,13 +169,6 @@ class Plans:
             self._scales[query_scale] = position_scale(positions, *query_scale).to(torch.bfloat16)
         return self._scales[query_scale]
 
-    def _bf16(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if t is None:
-            return None
-        t = t.detach().to(torch.bfloat16).contiguous()
-        self._keep.append(t)
-        return t
-
     # ---- recording: each returns False where a kernel does not take the call
     def _record(self, plan: Plan, n: int) -> bool:
         model = self.runner.model
@@ -193,7 +185,7 @@ class Plans:
                 return False
         normed = self._buffer("normed", h)[:n]
         self._norm(plan, model.model.norm, resid, None, normed)
-        if not self._linear(plan, model.lm_head, normed, self._buffer("logits", self.vocab)[:n]):
+        if not record_linear(plan, model.lm_head, normed, self._buffer("logits", self.vocab)[:n]):
             self.eager_head.add(n)  # oneDNN's lm_head (no C entry point): called after the replay
         return True
 
@@ -215,7 +207,7 @@ class Plans:
         else:
             plan.add_rows(resid, o)
             x = x if layer.parallel else resid
-        down = self._mlp(plan, layer.ffn, x)
+        down = (self._moe if type(layer.ffn) is CpuMoE else self._mlp)(plan, layer.ffn, x)
         if down is None:
             return False
         self._residual(plan, layer, down)
@@ -246,12 +238,12 @@ class Plans:
         hq, hkv, d = sa.n_heads, sa.n_kv, sa.head_dim
         if isinstance(sa, FusedAttention):
             qkv = self._buffer("qkv", (hq + 2 * hkv) * d)[:n]
-            if not self._fused(plan, sa.fused_qkv, x, qkv):
+            if not record_fused(plan, sa.fused_qkv, x, qkv):
                 return None
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         else:
             q, k, v = (self._buffer(name, heads * d)[:n] for name, heads in (("q", hq), ("k", hkv), ("v", hkv)))
-            if not all(self._linear(plan, lin, x, y) for lin, y in ((sa.q_proj, q), (sa.k_proj, k), (sa.v_proj, v))):
+            if not all(record_linear(plan, lin, x, y) for lin, y in ((sa.q_proj, q), (sa.k_proj, k), (sa.v_proj, v))):
                 return None
         if sa.q_norm is not None and not sa.qk_norm_after_rope:
             q, k = self._qk_norms(plan, sa, q, k)
@@ -277,7 +269,7 @@ class Plans:
         else:
             plan.paged_decode(q, k_cache, v_cache, tables, lens, spec.scale, out.view(n, hq, d))
         o = self._buffer("o", sa.o_proj.out_features)[:n]
-        return o if self._linear(plan, sa.o_proj, out, o) else None
+        return o if record_linear(plan, sa.o_proj, out, o) else None
 
     def _qk_norms(self, plan: Plan, sa, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, Hq * D], k [n, Hkv * D] (rows at stride) -> (q_norm(q), k_norm(k)) in contiguous buffers, each over
@@ -294,65 +286,38 @@ class Plans:
             normed.append(out)
         return normed[0], normed[1]
 
+    def _moe(self, plan: Plan, moe: CpuMoE, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """x [n, H] contiguous -> moe(x): one moe_forward call [+ the shared experts' MLP, added after]."""
+        n, calls = x.shape[0], moe.expert_calls
+        if not calls.takes(x):
+            return None
+        key = (calls.hidden, calls.inter, calls.experts, moe.top_k)
+        if key not in self._moe_scratch:
+            self._moe_scratch[key] = cpu_moe.Scratch(self.top, calls, moe.top_k)
+        out = self._buffer("moe", calls.hidden)[:n]
+        cpu_moe.record(plan, x, calls, moe.top_k, moe.normalize, moe.fp32_weights, self._moe_scratch[key], out)
+        if moe.shared_experts is not None:
+            shared = self._mlp(plan, moe.shared_experts, x)
+            if shared is None:
+                return None
+            plan.add_rows(out, shared)
+        return out
+
     def _mlp(self, plan: Plan, mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
         n, inter = x.shape[0], mlp.down_proj.in_features
         act = self._buffer("act", inter)[:n]
         if type(mlp) in _UP_DOWN:
             up = self._buffer("up", inter)[:n]
-            if not self._linear(plan, mlp.up_proj, x, up):
+            if not record_linear(plan, mlp.up_proj, x, up):
                 return None
             plan.activation(up, act, mlp.activation)
         elif isinstance(mlp, FusedMLP):
-            if not self._fused(plan, mlp.fused_gate_up, x, act):
+            if not record_fused(plan, mlp.fused_gate_up, x, act):
                 return None
         else:
             gate, up = self._buffer("gate", inter)[:n], self._buffer("up", inter)[:n]
-            if not (self._linear(plan, mlp.gate_proj, x, gate) and self._linear(plan, mlp.up_proj, x, up)):
+            if not (record_linear(plan, mlp.gate_proj, x, gate) and record_linear(plan, mlp.up_proj, x, up)):
                 return None
             _GATED[type(mlp)](plan, gate, up, act)
         down = self._buffer("down", mlp.down_proj.out_features)[:n]
-        return down if self._linear(plan, mlp.down_proj, act, down) else None
-
-    def _linear(self, plan: Plan, lin, x: torch.Tensor, y: torch.Tensor) -> bool:
-        """y = lin(x), as lin's own forward computes it at x's row count (serve/cpu_linear.py, QLinear._cpu)."""
-        if isinstance(lin, PackedLinear):
-            if lin.kernel == "rowwise":
-                plan.rowwise_gemm(x, lin.vnni, lin.bias, y)
-            elif lin.kernel == "amx":
-                self._amx_gemm(plan, x, lin.vnni, lin.bias, y, False)
-            return lin.kernel != "onednn"
-        kind = packed_kernel(x.shape[0])
-        if type(lin) is not QLinear or kind not in _PLAN_KERNELS:
-            return False
-        prepared = lin.prepared("amx")
-        if prepared is None or prepared[0] is not None:
-            return False
-        _PLAN_KERNELS[kind](plan, x, prepared[1], lin.bits, y)
-        if lin.bias is not None:
-            plan.add_rows(y, self._bf16(lin.bias))
-        return True
-
-    def _fused(self, plan: Plan, fusion: FusedLinear, x: torch.Tensor, y: torch.Tensor) -> bool:
-        """y = fusion(x) as one [n, sum N_i] block (with act: silu(gate) * up [n, I]), as FusedLinear.forward."""
-        if fusion.rowwise:
-            plan.rowwise_gemm(x, fusion.weight, None if fusion.act else fusion.bias, y, fusion.act)
-            return True
-        if fusion.bits == 16:  # AMX's
-            self._amx_gemm(plan, x, fusion.weight, None if fusion.act else fusion.bias, y, fusion.act)
-            return True
-        kind = packed_kernel(x.shape[0])
-        if kind not in _PLAN_KERNELS or fusion.perm is not None or (
-                fusion.act and not isinstance(fusion.mlp.ops, CpuFusedOps)):
-            return False
-        _PLAN_KERNELS[kind](plan, x, fusion.weight, fusion.bits, y, fusion.act)
-        if fusion.bias is not None and not fusion.act:
-            plan.add_rows(y, self._bf16(fusion.bias))
-        return True
-
-    def _amx_gemm(self, plan: Plan, x: torch.Tensor, vnni: torch.Tensor, bias: Optional[torch.Tensor],
-                  y: torch.Tensor, act: bool) -> None:
-        """y = x @ W^T on AMX's tile GEMM, then y += bias rounded to bf16 (PackedLinear's and FusedLinear's order)."""
-        plan.gemm_bf16(x, vnni, y, act)
-        if bias is not None:
-            plan.add_rows(y, self._bf16(bias))
-
+        return down if record_linear(plan, mlp.down_proj, act, down) else None

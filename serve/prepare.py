@@ -7,12 +7,14 @@ On CPU, bf16:
      quantkit.kernels.cpu.fused (any CPU dtype, with the torch ops as their fallback);
   3. on AMX CPUs q/k/v and gate/up run as one GEMM each (W4/W8 also on CPUs with the GEMV, AVX512-BF16, for
      decode-sized calls): the Attention and MLP modules become FusedAttention and FusedMLP, whose project() /
-     activated() call a FusedLinear over the same parts (outputs bit-identical).
+     activated() call a FusedLinear over the same parts (outputs bit-identical);
+  4. with the C kernels, each softmax top-k MoE block whose experts step 3 fused routes and runs them as one C
+     call (serve/cpu_moe.py).
 Batch-invariant (EngineConfig.batch_invariant, bf16 on CPU with the C kernels): step 1 packs every plain Linear,
 the lm_head included, for a row-invariant kernel (AMX's tile GEMM where it runs, else kernels/cpu/rowwise_gemm.py's
 GEMM: serve/cpu_linear.py), and step 3 fuses on it on any CPU; the attention backend then runs every query row as a
 decode item (serve/attention.py).
-State-dict keys and parameters are unchanged by all three (the fused weights are views of the parts').
+State-dict keys and parameters are unchanged by all four (the fused weights are views of the parts').
 On CUDA, the norms (with their residual adds), RoPE and SiLU-and-multiply run on the Triton kernels
 (kernels/triton/layer_ops.py), q/k/v and gate/up as one matmul each (serve/cuda_linear.py: float or W4/W8, outside
 MoE blocks), and each MoE block with float or W4/W8 experts runs them as fused grouped GEMMs (serve/moe_fusion.py).
@@ -31,9 +33,11 @@ from quantkit.kernels.cpu import rowwise_gemm
 from quantkit.kernels.cpu.fused import CpuFusedOps
 from quantkit.kernels.cpu.paged_decode import load_rows_kernel
 from quantkit.models.llama import MLP, Attention, TorchOps
+from quantkit.models.mixtral import MixtralExpert
 from quantkit.models.moe import MoE
 from quantkit.quant.qlinear import QLinear
 from quantkit.serve.cpu_linear import FusedLinear, can_pack, pack_linears
+from quantkit.serve.cpu_moe import fuse_cpu_moe, routers
 
 log = logging.getLogger("quantkit.serve")
 
@@ -54,6 +58,13 @@ class FusedMLP(MLP):
 
     def activated(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused_gate_up(x)
+
+
+class FusedMixtralExpert(MixtralExpert, FusedMLP):
+    """Mixtral's expert (its w1/w3/w2 names) with FusedMLP's activated()."""
+
+
+FUSED_MLPS = {MLP: FusedMLP, MixtralExpert: FusedMixtralExpert}  # the SwiGLU classes and their fused ones
 
 
 def batch_invariant_mode(asked: bool, device: torch.device, dtype: torch.dtype, native_kernels: bool) -> bool:
@@ -83,6 +94,7 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
     for oneDNN's packing); fused_ops: the per-token ops on kernels (the C ones where they build, the Triton ones on
     CUDA); batch_invariant: the rowwise GEMM for every plain Linear (batch_invariant_mode said yes). Returns the ops
     in use when they are the C kernels (the attention backend's KV store uses them too), else None."""
+    moe_routers = routers(model) if device.type == "cpu" and dtype == torch.bfloat16 else {}
     if can_pack(dtype, device):
         packed = pack_linears(model, batch_hint, rowwise=batch_invariant)
         log.info("prepacked %d Linear weights (bf16%s)", packed, ", row-invariant GEMM" if batch_invariant else "")
@@ -95,6 +107,9 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
         model.set_ops(ops)
     if device.type == "cpu" and dtype == torch.bfloat16:  # FusedLinear.of refuses parts without a shared packing
         log.info("fused %d q/k/v and gate/up-SiLU projections", fuse_projections(model))
+        moe_blocks = fuse_cpu_moe(model, moe_routers) if ops is not None else 0  # on the experts just fused
+        if moe_blocks:
+            log.info("MoE: %d blocks route and run their experts as one C call", moe_blocks)
     if device.type == "cuda":
         from quantkit.kernels.triton.layer_ops import TritonOps  # imports triton: CUDA only
         from quantkit.serve.cuda_linear import StackedLinear
@@ -111,7 +126,8 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
 
 
 def fuse_projections(model: nn.Module, fuse=FusedLinear.of, skip: frozenset[int] | set[int] = frozenset()) -> int:
-    """Turn each Attention into a FusedAttention and each MLP into a FusedMLP (but the modules whose id is in
+    """Turn each Attention into a FusedAttention and each MLP (Mixtral's expert) into a FusedMLP (FusedMixtralExpert)
+    (but the modules whose id is in
     `skip`) where `fuse` takes their parts: FusedLinear.of on CPU (one AMX packing), cuda_linear.StackedLinear.of
     on CUDA. The module keeps its identity, parameters and children; only its class and one attribute change.
     Returns how many were fused."""
@@ -122,9 +138,9 @@ def fuse_projections(model: nn.Module, fuse=FusedLinear.of, skip: frozenset[int]
         if type(module) is Attention:
             fusion = fuse([module.q_proj, module.k_proj, module.v_proj])
             cls, name = FusedAttention, "fused_qkv"
-        elif type(module) is MLP:
+        elif type(module) in FUSED_MLPS:
             fusion = fuse([module.gate_proj, module.up_proj], module)
-            cls, name = FusedMLP, "fused_gate_up"
+            cls, name = FUSED_MLPS[type(module)], "fused_gate_up"
         else:
             continue
         if fusion is None:

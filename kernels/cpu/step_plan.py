@@ -7,8 +7,9 @@ them and writes the same outputs; the thread count is read at replay. The launch
 dtypes) are the recorder's: each method checks what its kernel assumes, once, when the plan is built.
 Kernels: fused.c (add_rms_norm, rope, silu_mul, kv_store), gemv.c (qgemv), rowwise_gemm.c (rowwise_gemm,
 rowwise_qgemm), gemm.c (gemm_bf16, qgemm: the AMX tile GEMMs, where AMX runs), paged_decode.c (paged_decode,
-paged_rows), and step_plan.c's own copy_rows, add_rows and scale_rows. bf16 activations (the GEMV and the GEMMs are
-bf16 kernels); the attention and per-token kernels are recorded in their tensors' dtype.
+paged_rows), moe.c (moe_forward, recorded by kernels/cpu/moe.py) and step_plan.c's own copy_rows, add_rows and
+scale_rows. bf16 activations (the GEMV and the GEMMs are bf16 kernels); the attention and per-token kernels are
+recorded in their tensors' dtype.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from quantkit.kernels.cpu import gemm as cpu_gemm
 from quantkit.kernels.cpu.build import DTYPE_CODES, load_library
 from quantkit.kernels.cpu.gemm import _FUSED_MAX_M, _check_quantized, _check_vnni, _check_x, _strides
 
-OP_WORDS = 20  # step_plan.c's OP_WORDS: kind, function, up to 18 arguments
+OP_WORDS = 20  # plan_call.h's OP_WORDS: kind, function, up to 18 arguments
 KINDS = ["add_rms_norm", "rope", "silu_mul", "kv_store", "qgemv", "rowwise_gemm", "paged_decode", "paged_rows",
          "copy_rows", "add_rows", "rowwise_qgemm", "gemm_bf16", "qgemm", "scale_rows", "add_fp32_norm",
-         "gelu_tanh_mul", "scale_rows_at", "activation"]  # step_plan.c's enum, in order
+         "gelu_tanh_mul", "scale_rows_at", "activation", "moe"]  # plan_call.h's enum, in order
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"run_plan": [_P, _INT, _INT], "copy_rows": [_P, _I64, _P, _P, _I64, _INT, _I64],
               "add_rows": [_P, _I64, _P, _I64, _INT, _INT], "scale_rows": [_P, _I64, ctypes.c_float, _INT, _INT],
@@ -80,21 +81,22 @@ class Plan:
     """Recorded calls (`ops` int64 [n, OP_WORDS]) and every tensor they read or write (kept alive)."""
 
     def __init__(self):
-        self._rows: list[list[int]] = []
+        self.rows: list[list[int]] = []  # the calls, OP_WORDS each
         self._keep: list[torch.Tensor] = []
         self._ops: torch.Tensor | None = None
         self.lib = _library()
         self._fused = load_library("fused", fused.SIGNATURES)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self.rows)
 
-    def _record(self, kind: str, lib: ctypes.CDLL | None, args: list[int], *tensors, function: str = "") -> None:
+    def record(self, kind: str, lib: ctypes.CDLL | None, args: list[int], *tensors, function: str = "") -> None:
         """One call of `kind` (lib: the library exporting the C function of that name, or of `function`; None:
-        step_plan.c's own)."""
+        step_plan.c's own); `tensors`: those it reads or writes (kept alive). Each kind's method below checks its
+        arguments; a kernel of another module (kernels/cpu/moe.py) records itself."""
         if len(args) > OP_WORDS - 2:
             raise ValueError(f"{kind}: {len(args)} arguments, the plan holds {OP_WORDS - 2}")
-        self._rows.append([KINDS.index(kind), 0 if lib is None else _address(lib, function or kind), *args]
+        self.rows.append([KINDS.index(kind), 0 if lib is None else _address(lib, function or kind), *args]
                           + [0] * (OP_WORDS - 2 - len(args)))
         self._keep.extend(t for t in tensors if t is not None)
         self._ops = None
@@ -102,8 +104,8 @@ class Plan:
     def run(self) -> None:
         """Replay every call in order, on torch's current thread count."""
         if self._ops is None:
-            self._ops = torch.tensor(self._rows, dtype=torch.int64)
-        self.lib.run_plan(self._ops.data_ptr(), len(self._rows), torch.get_num_threads())
+            self._ops = torch.tensor(self.rows, dtype=torch.int64)
+        self.lib.run_plan(self._ops.data_ptr(), len(self.rows), torch.get_num_threads())
 
     # add_rms_norm - x [n, H] (rows at stride), residual/sum [n, H] contiguous or None, weight [H] -> out [n, H]
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, total: torch.Tensor | None,
@@ -126,7 +128,7 @@ class Plan:
                 (bias,) if bias is not None else ()):
             if t.dtype != x.dtype or not t.is_contiguous() or t.shape[-1] != h:
                 raise ValueError(f"{kind}: {tuple(t.shape)} {t.dtype} is not a contiguous [.., {h}] {x.dtype}")
-        self._record(kind, self._fused,
+        self.record(kind, self._fused,
                      [x.data_ptr(), xs, _ptr(residual), _ptr(total), weight.data_ptr(), out.data_ptr(), n, h,
                       _bits(eps), *scaling, DTYPE_CODES[x.dtype]], x, residual, total, weight, out, bias)
 
@@ -140,7 +142,7 @@ class Plan:
                 or k.shape[2] != q.shape[2] or not table.is_contiguous():
             raise ValueError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)}, "
                              f"table {tuple(table.shape)}")
-        self._record("rope", self._fused, [q.data_ptr(), qs, q.shape[1], k.data_ptr(), ks, k.shape[1],
+        self.record("rope", self._fused, [q.data_ptr(), qs, q.shape[1], k.data_ptr(), ks, k.shape[1],
                                                 positions.data_ptr(), table.data_ptr(), n, q.shape[2],
                                                 table.shape[1], DTYPE_CODES[q.dtype]], q, k, positions, table)
 
@@ -157,7 +159,7 @@ class Plan:
         n, xs = fused._rows(x)
         if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or kind not in fused.ACTIVATIONS:
             raise ValueError(f"activation {kind!r}: x {tuple(x.shape)} {x.dtype}, out {tuple(out.shape)} {out.dtype}")
-        self._record("activation", self._fused, [x.data_ptr(), xs, out.data_ptr(), n, x.shape[1],
+        self.record("activation", self._fused, [x.data_ptr(), xs, out.data_ptr(), n, x.shape[1],
                                                  DTYPE_CODES[x.dtype]], x, out, function=fused.ACTIVATIONS[kind])
 
     def _gated(self, kind: str, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
@@ -165,7 +167,7 @@ class Plan:
         _, us = fused._rows(up)
         if up.shape != gate.shape or out.shape != gate.shape or not out.is_contiguous():
             raise ValueError(f"{kind}: gate {tuple(gate.shape)}, up {tuple(up.shape)}, out {tuple(out.shape)}")
-        self._record(kind, self._fused, [gate.data_ptr(), gs, up.data_ptr(), us, out.data_ptr(), n,
+        self.record(kind, self._fused, [gate.data_ptr(), gs, up.data_ptr(), us, out.data_ptr(), n,
                                          gate.shape[1], DTYPE_CODES[gate.dtype]], gate, up, out)
 
     # kv_store - k, v [n, Hkv, D] (tokens at stride) -> caches [NB, BS, Hkv, D] at slots int64 [n]
@@ -177,7 +179,7 @@ class Plan:
                 or slots.dtype is not torch.int64 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError(f"kv_store: k {tuple(k.shape)}, caches {tuple(k_cache.shape)}, slots {tuple(slots.shape)}")
         es = k.element_size()
-        self._record("kv_store", self._fused,
+        self.record("kv_store", self._fused,
                      [k.data_ptr(), ks * es, v.data_ptr(), vs * es, k_cache.data_ptr(), v_cache.data_ptr(),
                       slots.data_ptr(), n, k.shape[1] * k.shape[2] * es], k, v, k_cache, v_cache, slots)
 
@@ -205,14 +207,14 @@ class Plan:
             raise ValueError(f"{kind}: x {tuple(x.shape)} (1 to {max_rows or 'any'} rows), y {tuple(y.shape)} "
                              f"{y.dtype}")
         cs, qs = _strides(packed)
-        self._record(kind, lib, [x.data_ptr(), m, x.shape[1], codes.data_ptr(), cs, qparams.data_ptr(), qs, n, gs,
+        self.record(kind, lib, [x.data_ptr(), m, x.shape[1], codes.data_ptr(), cs, qparams.data_ptr(), qs, n, gs,
                                  bits, y.data_ptr(), int(act)], x, codes, qparams, y)
 
     # rowwise_gemm - x [M, K] bf16 contiguous, pack_bf16's weight [N/16, K/2, 16], bias bf16 [N] or None -> y
     def rowwise_gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                      act: bool = False) -> None:
         m, n = _check_gemm("rowwise_gemm", x, packed, bias, y, act)
-        self._record("rowwise_gemm", rowwise_gemm._library(),
+        self.record("rowwise_gemm", rowwise_gemm._library(),
                      [x.data_ptr(), m, x.shape[1], packed.data_ptr(), packed.stride(0), n, _ptr(bias), y.data_ptr(),
                       int(act)], x, packed, bias, y)
 
@@ -220,7 +222,7 @@ class Plan:
     def gemm_bf16(self, x: torch.Tensor, packed: torch.Tensor, y: torch.Tensor, act: bool = False) -> None:
         lib = _amx_library("gemm_bf16")
         m, n = _check_gemm("gemm_bf16", x, packed, None, y, act)
-        self._record("gemm_bf16", lib, [x.data_ptr(), m, x.shape[1], packed.data_ptr(), packed.stride(0), n,
+        self.record("gemm_bf16", lib, [x.data_ptr(), m, x.shape[1], packed.data_ptr(), packed.stride(0), n,
                                         y.data_ptr(), int(act)], x, packed, y)
 
     # paged_decode - q [S, Hq, D] contiguous, caches [NB, BS, Hkv, D], tables int32 [S, MB], lens int32 [S] -> out
@@ -229,7 +231,7 @@ class Plan:
         paged_decode._check_tables(tables, q.shape[0], "paged_decode")
         s, hq, d = q.shape
         _, bs, hkv, _ = k_cache.shape
-        self._record("paged_decode", paged_decode._library(),
+        self.record("paged_decode", paged_decode._library(),
                      [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                       out.data_ptr(), s, hq, hkv, d, bs, tables.shape[1], _bits(scale), DTYPE_CODES[q.dtype]],
                      q, k_cache, v_cache, tables, lens, out)
@@ -244,7 +246,7 @@ class Plan:
             raise ValueError(f"paged_rows: row_seqs int32 [{r}] contiguous; got {row_seqs.dtype} "
                              f"{tuple(row_seqs.shape)}")
         _, bs, hkv, _ = k_cache.shape
-        self._record("paged_rows", paged_decode._library(),
+        self.record("paged_rows", paged_decode._library(),
                      [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), row_seqs.data_ptr(),
                       row_lens.data_ptr(), out.data_ptr(), r, hq, hkv, d, bs, tables.shape[1], _bits(scale),
                       window or 0, _bits(softcap or 0.0), DTYPE_CODES[q.dtype]],
@@ -261,7 +263,7 @@ class Plan:
             raise ValueError(f"copy_rows: src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}, "
                              f"index {None if index is None else tuple(index.shape)}")
         es = src.element_size()
-        self._record("copy_rows", None, [src.data_ptr(), ss * es, _ptr(index), dst.data_ptr(), ds * es, n,
+        self.record("copy_rows", None, [src.data_ptr(), ss * es, _ptr(index), dst.data_ptr(), ds * es, n,
                                          dst[0].numel() * es], src, index, dst)
 
     # add_rows - y [n, H] bf16 (rows at stride) += b [n, H] (rows at stride) or a bias [H], each sum rounded once
@@ -271,14 +273,14 @@ class Plan:
         if y.dtype is not torch.bfloat16 or b.dtype is not torch.bfloat16 or b.shape[-1] != y.shape[-1] or (
                 b.dim() == 2 and b.shape[0] != n) or b.stride(-1) != 1:
             raise ValueError(f"add_rows: y {tuple(y.shape)} {y.dtype} += b {tuple(b.shape)} {b.dtype} (bf16)")
-        self._record("add_rows", None, [y.data_ptr(), ys, b.data_ptr(), bs, n, y.shape[-1]], y, b)
+        self.record("add_rows", None, [y.data_ptr(), ys, b.data_ptr(), bs, n, y.shape[-1]], y, b)
 
     # scale_rows - y [n, H] bf16 (rows at stride) *= s, each product rounded once (torch's bf16 y * float)
     def scale_rows(self, y: torch.Tensor, s: float) -> None:
         n, ys = fused._rows(y)
         if y.dtype is not torch.bfloat16 or y.dim() != 2:
             raise ValueError(f"scale_rows: y {tuple(y.shape)} {y.dtype} (bf16 rows)")
-        self._record("scale_rows", None, [y.data_ptr(), ys, _bits(s), n, y.shape[-1]], y)
+        self.record("scale_rows", None, [y.data_ptr(), ys, _bits(s), n, y.shape[-1]], y)
 
     # scale_rows_at - y [n, H] bf16 (rows at stride), index int64 [n], table bf16 [P] -> y[t] *= table[index[t]]
     def scale_rows_at(self, y: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> None:
@@ -289,5 +291,5 @@ class Plan:
                 or not index.is_contiguous():
             raise ValueError(f"scale_rows_at: y {tuple(y.shape)} {y.dtype} (bf16 rows), index {tuple(index.shape)} "
                              f"{index.dtype} (int64 [n]), table {tuple(table.shape)} {table.dtype} (bf16 [P])")
-        self._record("scale_rows_at", None, [y.data_ptr(), ys, index.data_ptr(), table.data_ptr(), n, y.shape[-1]],
+        self.record("scale_rows_at", None, [y.data_ptr(), ys, index.data_ptr(), table.data_ptr(), n, y.shape[-1]],
                      y, index, table)

@@ -263,13 +263,17 @@ def decode_rate(engine: Any, prompt: list[int], tokens: int, deadline_s: float =
 
 
 def rtn_quantize_linears(model: nn.Module, scheme: Any) -> int:
-    """Replace every nn.Linear inside the decoder layers by an RTN QLinear of `scheme`, in place (benchmarks of
-    quantized serving without a checkpoint on disk); returns how many."""
+    """Replace every Linear calibration quantizes (sensitivity.quantizable: not the MoE routers) by an RTN QLinear of
+    `scheme`, in place (benchmarks of quantized serving without a checkpoint on disk); returns how many."""
     from quantkit.quant.qlinear import QLinear
     from quantkit.quant.scheme import quantize_rtn
+    from quantkit.quant.sensitivity import quantizable
 
-    swaps = [(parent, name, child) for layer in model.model.layers for parent in layer.modules()
-             for name, child in parent.named_children() if type(child) is nn.Linear]
+    swaps = []
+    for i, name in quantizable(model, model.config.model_type):
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.model.layers[i].get_submodule(parent_name)
+        swaps.append((parent, child_name, getattr(parent, child_name)))
     for parent, name, child in swaps:
         qt = quantize_rtn(child.weight.detach().float(), scheme)
         bias = None if child.bias is None else child.bias.detach()

@@ -306,7 +306,7 @@ class MLP(GatedMLP):
 
     def activated(self, x: torch.Tensor) -> torch.Tensor:
         """x [*lead, H] -> silu(gate(x)) * up(x) [*lead, I] (a serving runner may override it with one fused GEMM
-        and its SiLU epilogue: serve/prepare.py, which fuses only modules whose type is exactly MLP)."""
+        and its SiLU epilogue: serve/prepare.py, which fuses MLP and Mixtral's expert, not other subclasses)."""
         return self.ops.silu_mul(self.gate_proj(x), self.up_proj(x))
 
 

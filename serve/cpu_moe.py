@@ -1,0 +1,117 @@
+"""Serving on CPU, bf16: every softmax top-k MoE block (MoE, with Hunyuan's shared experts or without; Qwen2-MoE's
+SharedExpertMoE) whose experts are FusedMLPs (gate/up and SiLU as one FusedLinear, serve/prepare.py) on the C
+kernels runs its routing and routed experts as one kernels/cpu/moe.py call instead of a Python loop over the active
+experts, and the decode step plans record that call (serve/cpu_step_plans.py).
+
+The block keeps its identity, router, parameters and children; only its class changes (to a subclass whose forward
+calls moe_forward) and it gains `expert_calls` (not in the state dict). A block of other routing (GLM-4.5's grouped
+sigmoid, ERNIE 4.5's corrected softmax), of experts a kernel does not take (oneDNN's bf16, act-order W4, a bias)
+or a step of more tokens than the kernels take (max_rows) keeps MoE.forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from quantkit.kernels.cpu import moe as cpu_moe
+from quantkit.kernels.cpu.gemm import _FUSED_MAX_M
+from quantkit.kernels.cpu.gemv import MAX_ROWS
+from quantkit.kernels.cpu.step_plan import KINDS, Plan
+from quantkit.models.moe import MoE
+from quantkit.models.qwen2_moe import SharedExpertMoE
+from quantkit.serve.cpu_linear import FusedLinear
+from quantkit.serve.cpu_plan_linears import record_fused, record_linear
+
+log = logging.getLogger("quantkit.serve")
+
+_ROW_LIMITS = {"qgemv": MAX_ROWS, "qgemm": _FUSED_MAX_M}  # the kernels of a row limit (others: any row count)
+
+
+class CpuMoE(MoE):
+    """MoE whose routing and routed experts run as one moe_forward call (bf16, up to expert_calls.max_rows
+    tokens)."""
+
+    expert_calls: cpu_moe.ExpertCalls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [*lead, H] -> [*lead, H], as MoE.forward."""
+        flat = x.reshape(-1, x.shape[-1])
+        if not self.expert_calls.takes(flat):
+            return super().forward(x)
+        out = cpu_moe.moe_forward(flat.contiguous(), self.expert_calls, self.top_k, self.normalize, self.fp32_weights)
+        out = out.view(x.shape)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class CpuSharedExpertMoE(SharedExpertMoE, CpuMoE):
+    """Qwen2-MoE: SharedExpertMoE.forward adds the shared expert to super().forward, which is CpuMoE's here."""
+
+
+CPU_MOE = {MoE: CpuMoE, SharedExpertMoE: CpuSharedExpertMoE}  # the blocks of softmax top-k routing
+
+
+def _recorded(experts: list[nn.Module], rows: int, hidden: int, inter: int) -> Optional[Plan]:
+    """Each expert's gate_up and down calls at `rows` rows, in order, on dummy x/act/y; None where a kernel does not
+    take one (or it needs more than one call)."""
+    plan = Plan()
+    x, act, y = (torch.zeros(rows, width, dtype=torch.bfloat16) for width in (hidden, inter, hidden))
+    try:
+        for expert in experts:
+            if not (record_fused(plan, expert.fused_gate_up, x, act) and record_linear(plan, expert.down_proj, act, y)):
+                return None
+    except ValueError:  # a launcher's check
+        return None
+    return plan if len(plan) == 2 * len(experts) else None
+
+
+def routers(model: nn.Module) -> dict[int, torch.Tensor]:
+    """id(block) -> its router's weight in bf16 [E, H], for every block of a CPU_MOE class with an nn.Linear router:
+    taken before pack_linears replaces the routers by PackedLinears (which keep only their kernel's layout)."""
+    return {id(block): block.gate.weight.detach().to(torch.bfloat16).contiguous() for block in model.modules()
+            if type(block) in CPU_MOE and type(block.gate) is nn.Linear}
+
+
+def expert_calls(moe: MoE, router: torch.Tensor) -> Optional[cpu_moe.ExpertCalls]:
+    """The block's calls (kernels/cpu/moe.py's ExpertCalls, over `router`, routers()'), or None unless every expert is a FusedMLP (its
+    fused_gate_up a FusedLinear with the SiLU epilogue) of one shape whose linears a C kernel takes at one row."""
+    experts = list(moe.experts)
+    if not all(isinstance(getattr(e, "fused_gate_up", None), FusedLinear) and e.fused_gate_up.act for e in experts):
+        return None
+    hidden, inter = experts[0].down_proj.out_features, experts[0].down_proj.in_features
+    if any((e.down_proj.out_features, e.down_proj.in_features) != (hidden, inter) for e in experts):
+        return None
+    small = _recorded(experts, 1, hidden, inter)
+    if small is None:
+        return None
+    limits = {_ROW_LIMITS.get(KINDS[row[0]], 0) for row in small.rows}
+    if len(limits) != 1:
+        return None  # gate_up and down on kernels of different limits: not a case prepare makes
+    limit = limits.pop()
+    large = _recorded(experts, limit + 1, hidden, inter) if limit else None
+    max_rows = None if not limit else limit if large is None else _ROW_LIMITS.get(KINDS[large.rows[0][0]]) or None
+    table = [small_row + [limit, large.rows[i][1] if large is not None else 0] for i, small_row in
+             enumerate(small.rows)]
+    calls = torch.tensor(table, dtype=torch.int64).view(len(experts), 2, cpu_moe.CALL_WORDS)
+    return cpu_moe.ExpertCalls(router, calls, hidden, inter, max_rows, [p for p in (small, large) if p is not None])
+
+
+def fuse_cpu_moe(model: nn.Module, weights: dict[int, torch.Tensor]) -> int:
+    """Turn each MoE block of a CPU bf16 model prepared for serving into its CPU_MOE class where expert_calls takes
+    its experts (weights: routers(model) before the packing); returns how many."""
+    if not cpu_moe.available():
+        return 0
+    fused = 0
+    for block in list(model.modules()):
+        cls = CPU_MOE.get(type(block))
+        router = weights.get(id(block))
+        calls = expert_calls(block, router) if cls is not None and router is not None else None
+        if calls is None:
+            continue
+        block.__class__ = cls
+        block.expert_calls = calls
+        fused += 1
+    return fused

@@ -1,0 +1,88 @@
+"""MoE blocks on CPU as one C call (serve/cpu_moe.py, kernels/cpu/moe.c): the block's output against MoE.forward
+(torch's softmax, top-k and index_add over the same expert modules) on tiny random models of each family, bf16 and
+W4 experts; which blocks take the call, the fallback above the kernels' rows, and routing ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.benchmark.step import rtn_quantize_linears
+from quantkit.config import QuantScheme
+from quantkit.kernels.cpu import gemv
+from quantkit.kernels.cpu import moe as cpu_moe
+from quantkit.models.loader import load_model
+from quantkit.models.moe import MoE
+from quantkit.quant.qlinear import QLinear
+from quantkit.serve.cpu_linear import can_pack
+from quantkit.serve.cpu_moe import CpuMoE
+from quantkit.serve.prepare import FusedMixtralExpert, prepare_model
+from tests.quantkit.families import saved_families
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not (cpu_moe.available() and can_pack(torch.bfloat16, torch.device("cpu"))),
+                                 reason="no C kernels or no packed bf16 linears here: MoE blocks stay in Python")]
+needs_gemv = pytest.mark.skipif(not gemv.available(), reason="no AVX2 + FMA + F16C: W4 experts have no C GEMV here")
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, bundled_dir):
+    saved = saved_families(tmp_path_factory.mktemp("moe-families"), bundled_dir)
+    return lambda name: saved(name)[1]
+
+
+def prepared(folder, weights: str):
+    """The model loaded in bf16 (W4: RTN experts, g32), prepared for serving on CPU as the default runner prepares it
+    (batch-invariant: bf16 linears on a row-invariant kernel; oneDNN's, which moe.c cannot call, keep MoE.forward)."""
+    model = load_model(str(folder), dtype=torch.bfloat16).model
+    if weights == "w4":
+        rtn_quantize_linears(model, QuantScheme(bits=4, group_size=32, sym=False))
+    prepare_model(model, torch.device("cpu"), torch.bfloat16, 64, fused_ops=True, batch_invariant=True)
+    return model
+
+
+def moe_blocks(model) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "hunyuan_moe"])
+@pytest.mark.parametrize("weights", ["bf16", pytest.param("w4", marks=needs_gemv)])
+@pytest.mark.parametrize("tokens", [1, 3, 9])
+def test_the_c_call_computes_what_moe_forward_computes(family, name, weights, tokens):
+    model = prepared(family(name), weights)
+    blocks = moe_blocks(model)
+    assert blocks and all(isinstance(b, CpuMoE) for b in blocks)
+    torch.manual_seed(tokens)
+    for block in blocks:
+        x = torch.randn(tokens, block.expert_calls.hidden).to(torch.bfloat16)
+        got, want = CpuMoE.forward(block, x), MoE.forward(block, x)  # (Qwen2-MoE's shared expert added after both)
+        if not block.expert_calls.takes(x):  # W4 above the GEMV's rows without a larger kernel: MoE.forward itself
+            assert weights == "w4" and tokens > gemv.MAX_ROWS and torch.equal(got, want)
+            continue
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        # the same experts and kernels; the router's sums, exp and the bf16 weights may differ by an ulp
+        assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max(), name
+
+
+def test_blocks_of_other_routing_keep_their_forward_and_routers_stay_float(family):
+    for name in ("glm4_moe", "ernie4_5_moe"):
+        assert not any(isinstance(b, CpuMoE) for b in moe_blocks(prepared(family(name), "bf16"))), name
+    model = prepared(family("mixtral"), "w4" if gemv.available() else "bf16")
+    block = moe_blocks(model)[0]
+    assert all(type(e) is FusedMixtralExpert for e in block.experts)
+    assert not isinstance(block.gate, QLinear)  # rtn_quantize_linears quantizes what calibration does
+
+
+def test_routing_ties_go_to_the_lower_expert(family):
+    """Experts 1 and 2 of equal router rows, far above the others: top-1 routes every token to expert 1, whose
+    output (weight 1) is the block's, bit for bit."""
+    model = prepared(family("qwen3_moe"), "bf16")
+    block = moe_blocks(model)[0]
+    router = block.expert_calls.router
+    router.zero_()
+    router[1] = router[2] = 1.0
+    block.top_k = 1
+    x = torch.rand(5, router.shape[1]).add(0.5).to(torch.bfloat16)  # positive: experts 1 and 2 lead by sum(x)
+    got = block(x)
+    assert torch.equal(got, block.experts[1](x))
+    assert not torch.equal(got, block.experts[2](x))
