@@ -50,6 +50,15 @@ def bundled_dir() -> Path:
     return bundled_model_dir()
 
 
+@pytest.fixture(scope="module")
+def family_folder(tmp_path_factory, bundled_dir):
+    """name -> the folder of tests/quantkit/families.py's tiny random model of that family (saved once a module)."""
+    from tests.quantkit.families import saved_families
+
+    saved = saved_families(tmp_path_factory.mktemp("families"), bundled_dir)
+    return lambda name: saved(name)[1]
+
+
 def tiny_hf_config(model_type: str = "llama", **overrides) -> dict:
     """A tiny random-weight config dict in Hugging Face form (hidden 64, 2 layers, GQA 4:2)."""
     cfg = {

@@ -17,18 +17,11 @@ from quantkit.quant.qlinear import QLinear
 from quantkit.serve.cpu_linear import can_pack
 from quantkit.serve.cpu_moe import CpuMoE
 from quantkit.serve.prepare import FusedMixtralExpert, prepare_model
-from tests.quantkit.families import saved_families
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not (cpu_moe.available() and can_pack(torch.bfloat16, torch.device("cpu"))),
                                  reason="no C kernels or no packed bf16 linears here: MoE blocks stay in Python")]
 needs_gemv = pytest.mark.skipif(not gemv.available(), reason="no AVX2 + FMA + F16C: W4 experts have no C GEMV here")
-
-
-@pytest.fixture(scope="module")
-def family(tmp_path_factory, bundled_dir):
-    saved = saved_families(tmp_path_factory.mktemp("moe-families"), bundled_dir)
-    return lambda name: saved(name)[1]
 
 
 def prepared(folder, weights: str):
@@ -48,8 +41,8 @@ def moe_blocks(model) -> list[MoE]:
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "hunyuan_moe"])
 @pytest.mark.parametrize("weights", ["bf16", pytest.param("w4", marks=needs_gemv)])
 @pytest.mark.parametrize("tokens", [1, 3, 9])
-def test_the_c_call_computes_what_moe_forward_computes(family, name, weights, tokens):
-    model = prepared(family(name), weights)
+def test_the_c_call_computes_what_moe_forward_computes(family_folder, name, weights, tokens):
+    model = prepared(family_folder(name), weights)
     blocks = moe_blocks(model)
     assert blocks and all(isinstance(b, CpuMoE) for b in blocks)
     torch.manual_seed(tokens)
@@ -64,19 +57,19 @@ def test_the_c_call_computes_what_moe_forward_computes(family, name, weights, to
         assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max(), name
 
 
-def test_blocks_of_other_routing_keep_their_forward_and_routers_stay_float(family):
+def test_blocks_of_other_routing_keep_their_forward_and_routers_stay_float(family_folder):
     for name in ("glm4_moe", "ernie4_5_moe"):
-        assert not any(isinstance(b, CpuMoE) for b in moe_blocks(prepared(family(name), "bf16"))), name
-    model = prepared(family("mixtral"), "w4" if gemv.available() else "bf16")
+        assert not any(isinstance(b, CpuMoE) for b in moe_blocks(prepared(family_folder(name), "bf16"))), name
+    model = prepared(family_folder("mixtral"), "w4" if gemv.available() else "bf16")
     block = moe_blocks(model)[0]
     assert all(type(e) is FusedMixtralExpert for e in block.experts)
     assert not isinstance(block.gate, QLinear)  # rtn_quantize_linears quantizes what calibration does
 
 
-def test_routing_ties_go_to_the_lower_expert(family):
+def test_routing_ties_go_to_the_lower_expert(family_folder):
     """Experts 1 and 2 of equal router rows, far above the others: top-1 routes every token to expert 1, whose
     output (weight 1) is the block's, bit for bit."""
-    model = prepared(family("qwen3_moe"), "bf16")
+    model = prepared(family_folder("qwen3_moe"), "bf16")
     block = moe_blocks(model)[0]
     router = block.expert_calls.router
     router.zero_()

@@ -26,7 +26,6 @@ from quantkit.serve.engine import LLMEngine
 from quantkit.serve.model_runner import ModelRunner
 from quantkit.serve.sampling_params import SamplingParams
 from quantkit.serve.validation import validate_request
-from tests.quantkit.families import saved_families
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not (step_plan.available() and can_pack(torch.bfloat16, torch.device("cpu"))),
@@ -35,12 +34,6 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 BLOCK, MAX_MODEL_LEN = 4, 128
 W4, W8 = QuantScheme(bits=4, group_size=32, sym=False), QuantScheme(bits=8, group_size=32, sym=True)
 needs_gemv = pytest.mark.skipif(not gemv.available(), reason="no AVX2 + FMA + F16C: W4/W8 decode has no C GEMV here")
-
-
-@pytest.fixture(scope="module")
-def family(tmp_path_factory, bundled_dir):
-    saved = saved_families(tmp_path_factory.mktemp("plan-families"), bundled_dir)
-    return lambda name: saved(name)[1]
 
 
 def quantized(model, weights: str):
@@ -123,10 +116,10 @@ CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("qwen3", "bf16"), ("phi3", "bf16
 
 @pytest.mark.parametrize("name, weights", CASES)
 @pytest.mark.parametrize("n", [1, 3, 4, 7])  # 7: W4/W8 on the AMX GEMM, or the rowwise GEMM without AMX
-def test_plan_logits_and_kv_equal_the_eager_forward_bit_for_bit(family, name, weights, n):
+def test_plan_logits_and_kv_equal_the_eager_forward_bit_for_bit(family_folder, name, weights, n):
     if weights != "bf16" and packed_kernel(n) is None:
         pytest.skip(f"{n} rows of W4/W8 have no C kernel here: those steps run eagerly")
-    runner = runner_for(family(name), weights)
+    runner = runner_for(family_folder(name), weights)
     feeds = prefilled(runner, n)
     assert runner.plans.plan(n) is not None
     for step in range(3):  # the buffers refilled each step; positions and block tables move on
@@ -139,12 +132,12 @@ def test_plan_logits_and_kv_equal_the_eager_forward_bit_for_bit(family, name, we
 
 
 @needs_gemv
-def test_the_decode_kernel_path_without_batch_invariance(family):
+def test_the_decode_kernel_path_without_batch_invariance(family_folder):
     """batch_invariant off: the decode attention kernel (paged_decode) instead of the row kernel; bf16 linears then
     run on AMX's tile GEMM where it runs, else on oneDNN where it has bf16 kernels (no C entry point: a model of
     bf16 decoder linears then gets no plan, and the bf16 lm_head of a W4 one runs after the replay), else (AVX2)
     on the rowwise GEMM."""
-    runner = runner_for(family("llama"), "w4", batch_invariant=False)
+    runner = runner_for(family_folder("llama"), "w4", batch_invariant=False)
     assert runner.attn.rows_kernel is None and runner.attn.decode_kernel is not None
     feeds = prefilled(runner, 2)
     got, eager, kv, eager_kv = plan_and_eager(runner, feeds)
@@ -152,33 +145,33 @@ def test_the_decode_kernel_path_without_batch_invariance(family):
     on_onednn = runner.model.lm_head.kernel == "onednn"
     assert on_onednn == (onednn_bf16() and not cpu_gemm.available())
     assert runner.plans.eager_head == ({2} if on_onednn else set())
-    bf16_plan = runner_for(family("llama"), "bf16", batch_invariant=False).plans.plan(1)
+    bf16_plan = runner_for(family_folder("llama"), "bf16", batch_invariant=False).plans.plan(1)
     assert (bf16_plan is None) == on_onednn
 
 
 @needs_gemv
-def test_w4_batches_above_the_gemv_rows_get_a_plan_on_the_gemm_that_takes_them(family):
-    runner = runner_for(family("llama"), "w4")
+def test_w4_batches_above_the_gemv_rows_get_a_plan_on_the_gemm_that_takes_them(family_folder):
+    runner = runner_for(family_folder("llama"), "w4")
     assert runner.plans.plan(gemv.MAX_ROWS) is not None
     assert packed_kernel(gemv.MAX_ROWS + 1) in ("amx", "rowwise")
     assert runner.plans.plan(gemv.MAX_ROWS + 1) is not None
-    assert runner_for(family("llama"), "bf16").plans.plan(8) is not None  # AMX's or the rowwise GEMM: any rows
+    assert runner_for(family_folder("llama"), "bf16").plans.plan(8) is not None  # AMX's or the rowwise GEMM: any rows
 
 
 @pytest.mark.parametrize("name, reason", [("qwen2_moe", "CpuSharedExpertMoE (a dense MLP or a CpuMoE)"),
                                           ("glm4_moe", "GroupedTopKMoE (a dense MLP or a CpuMoE)")])
-def test_models_plans_do_not_cover_say_why(family, name, reason, caplog):
+def test_models_plans_do_not_cover_say_why(family_folder, name, reason, caplog):
     with caplog.at_level("INFO", logger="quantkit.serve"):
-        runner = runner_for(family(name))
+        runner = runner_for(family_folder(name))
     assert runner.plans is None
     assert any("decode step plans off" in r.message and reason in r.message for r in caplog.records)
 
 
-def test_fp32_and_the_off_switch_run_eagerly(family):
-    loaded = load_model(str(family("llama")), dtype=torch.float32)
+def test_fp32_and_the_off_switch_run_eagerly(family_folder):
+    loaded = load_model(str(family_folder("llama")), dtype=torch.float32)
     cfg = EngineConfig(block_size=BLOCK, kv_cache_memory=4 << 20, max_model_len=MAX_MODEL_LEN)
     assert ModelRunner(loaded.model, cfg, "cpu", torch.float32, MAX_MODEL_LEN).plans is None
-    assert runner_for(family("llama"), plans=False).plans is None
+    assert runner_for(family_folder("llama"), plans=False).plans is None
 
 
 def engine_run(folder, weights, plans):
@@ -203,15 +196,15 @@ def engine_run(folder, weights, plans):
 
 
 @pytest.mark.parametrize("weights", ["bf16", pytest.param("w4", marks=needs_gemv)])
-def test_engine_tokens_and_logprobs_are_the_same_with_plans_on_and_off(family, weights):
-    on, recorded = engine_run(family("qwen2"), weights, plans=True)
-    off, _ = engine_run(family("qwen2"), weights, plans=False)
+def test_engine_tokens_and_logprobs_are_the_same_with_plans_on_and_off(family_folder, weights):
+    on, recorded = engine_run(family_folder("qwen2"), weights, plans=True)
+    off, _ = engine_run(family_folder("qwen2"), weights, plans=False)
     assert on == off and len(on) == 6
     assert {1, 2, 3, 4} <= set(recorded)  # the plain decode steps of the shrinking batch ran plans
 
 
-def test_a_replay_reads_its_input_buffers_and_the_thread_count(family):
-    runner = runner_for(family("llama"))
+def test_a_replay_reads_its_input_buffers_and_the_thread_count(family_folder):
+    runner = runner_for(family_folder("llama"))
     feeds = prefilled(runner, 2)
     got_one, eager, _, _ = plan_and_eager(runner, feeds)
     torch.set_num_threads(2)  # the one_thread fixture restores it
