@@ -1,12 +1,12 @@
-"""Serving on CPU, bf16: every softmax top-k MoE block (MoE, with Hunyuan's shared experts or without; Qwen2-MoE's
-SharedExpertMoE) whose experts are FusedMLPs (gate/up and SiLU as one FusedLinear, serve/prepare.py) on the C
-kernels runs its routing and routed experts as one kernels/cpu/moe.py call instead of a Python loop over the active
-experts, and the decode step plans record that call (serve/cpu_step_plans.py).
+"""Serving on CPU, bf16: every MoE block of models/moe.py's routings (softmax top-k: Mixtral, Qwen2/3-MoE, OLMoE,
+Hunyuan; ERNIE 4.5's corrected softmax; GLM-4.5's grouped sigmoid) whose experts are FusedMLPs (gate/up and SiLU as
+one FusedLinear, serve/prepare.py) on the C kernels runs its routing and routed experts as one kernels/cpu/moe.py
+call instead of a Python loop over the active experts, and the decode step plans record that call
+(serve/cpu_step_plans.py); shared experts (an MLP added after) stay modules.
 
 The block keeps its identity, router, parameters and children; only its class changes (to a subclass whose forward
-calls moe_forward) and it gains `expert_calls` (not in the state dict). A block of other routing (GLM-4.5's grouped
-sigmoid, ERNIE 4.5's corrected softmax), of experts a kernel does not take (oneDNN's bf16, act-order W4, a bias)
-or a step of more tokens than the kernels take (max_rows) keeps MoE.forward.
+calls moe_forward) and it gains `expert_calls` (not in the state dict). A block of experts a kernel does not take
+(oneDNN's bf16, act-order W4, a bias) or a step of more tokens than the kernels take (max_rows) keeps MoE.forward.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from quantkit.kernels.cpu import moe as cpu_moe
 from quantkit.kernels.cpu.gemm import _FUSED_MAX_M
 from quantkit.kernels.cpu.gemv import MAX_ROWS
 from quantkit.kernels.cpu.step_plan import KINDS, Plan
-from quantkit.models.moe import MoE
+from quantkit.models.moe import BiasedRouter, CorrectedSoftmaxMoE, GroupedTopKMoE, MoE
 from quantkit.models.qwen2_moe import SharedExpertMoE
 from quantkit.serve.cpu_linear import FusedLinear
 from quantkit.serve.cpu_plan_linears import record_fused, record_linear
@@ -32,8 +32,8 @@ _ROW_LIMITS = {"qgemv": MAX_ROWS, "qgemm": _FUSED_MAX_M}  # the kernels of a row
 
 
 class CpuMoE(MoE):
-    """MoE whose routing and routed experts run as one moe_forward call (bf16, up to expert_calls.max_rows
-    tokens)."""
+    """MoE whose routing and routed experts run as one moe_forward call (bf16, up to expert_calls.max_rows tokens):
+    the routing moe.c computes is expert_calls.routing, which routing() takes from the block's class."""
 
     expert_calls: cpu_moe.ExpertCalls
 
@@ -42,7 +42,7 @@ class CpuMoE(MoE):
         flat = x.reshape(-1, x.shape[-1])
         if not self.expert_calls.takes(flat):
             return super().forward(x)
-        out = cpu_moe.moe_forward(flat.contiguous(), self.expert_calls, self.top_k, self.normalize, self.fp32_weights)
+        out = cpu_moe.moe_forward(flat.contiguous(), self.expert_calls)
         out = out.view(x.shape)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
@@ -51,7 +51,27 @@ class CpuSharedExpertMoE(SharedExpertMoE, CpuMoE):
     """Qwen2-MoE: SharedExpertMoE.forward adds the shared expert to super().forward, which is CpuMoE's here."""
 
 
-CPU_MOE = {MoE: CpuMoE, SharedExpertMoE: CpuSharedExpertMoE}  # the blocks of softmax top-k routing
+class CpuGroupedTopKMoE(GroupedTopKMoE, CpuMoE):
+    """GLM-4.5's block: GroupedTopKMoE's select (for MoE.forward's steps), CpuMoE's forward."""
+
+
+class CpuCorrectedSoftmaxMoE(CorrectedSoftmaxMoE, CpuMoE):
+    """ERNIE 4.5's block: CorrectedSoftmaxMoE's select (for MoE.forward's steps), CpuMoE's forward."""
+
+
+CPU_MOE = {MoE: CpuMoE, SharedExpertMoE: CpuSharedExpertMoE, GroupedTopKMoE: CpuGroupedTopKMoE,
+           CorrectedSoftmaxMoE: CpuCorrectedSoftmaxMoE}  # the blocks moe.c routes, and their classes here
+
+
+def routing(block: MoE) -> cpu_moe.Routing:
+    """The routing of a block of a CPU_MOE class, as its select() computes it."""
+    if isinstance(block, GroupedTopKMoE):
+        return cpu_moe.Routing("grouped_sigmoid", block.top_k, block.normalize, True, block.gate.score_bias,
+                               block.n_groups, block.topk_groups, block.scaling)
+    if isinstance(block, CorrectedSoftmaxMoE):
+        return cpu_moe.Routing("corrected_softmax", block.top_k, True, False, block.gate.score_bias,
+                               param=block.norm_min)
+    return cpu_moe.Routing("softmax", block.top_k, block.normalize, block.fp32_weights)
 
 
 def _recorded(experts: list[nn.Module], rows: int, hidden: int, inter: int) -> Optional[Plan]:
@@ -69,15 +89,18 @@ def _recorded(experts: list[nn.Module], rows: int, hidden: int, inter: int) -> O
 
 
 def routers(model: nn.Module) -> dict[int, torch.Tensor]:
-    """id(block) -> its router's weight in bf16 [E, H], for every block of a CPU_MOE class with an nn.Linear router:
-    taken before pack_linears replaces the routers by PackedLinears (which keep only their kernel's layout)."""
-    return {id(block): block.gate.weight.detach().to(torch.bfloat16).contiguous() for block in model.modules()
-            if type(block) in CPU_MOE and type(block.gate) is nn.Linear}
+    """id(block) -> its router's weight [E, H], for every block of a CPU_MOE class whose router is an nn.Linear (in
+    bf16) or a BiasedRouter (in fp32, as it computes): taken before pack_linears replaces the plain routers by
+    PackedLinears (which keep only their kernel's layout)."""
+    dtypes = {nn.Linear: torch.bfloat16, BiasedRouter: torch.float32}
+    return {id(block): block.gate.weight.detach().to(dtypes[type(block.gate)]).contiguous()
+            for block in model.modules() if type(block) in CPU_MOE and type(block.gate) in dtypes}
 
 
 def expert_calls(moe: MoE, router: torch.Tensor) -> Optional[cpu_moe.ExpertCalls]:
-    """The block's calls (kernels/cpu/moe.py's ExpertCalls, over `router`, routers()'), or None unless every expert is a FusedMLP (its
-    fused_gate_up a FusedLinear with the SiLU epilogue) of one shape whose linears a C kernel takes at one row."""
+    """The block's calls (kernels/cpu/moe.py's ExpertCalls, over `router`: routers()'), or None unless every expert
+    is a FusedMLP (its fused_gate_up a FusedLinear with the SiLU epilogue) of one shape whose linears a C kernel
+    takes at one row."""
     experts = list(moe.experts)
     if not all(isinstance(getattr(e, "fused_gate_up", None), FusedLinear) and e.fused_gate_up.act for e in experts):
         return None
@@ -96,7 +119,8 @@ def expert_calls(moe: MoE, router: torch.Tensor) -> Optional[cpu_moe.ExpertCalls
     table = [small_row + [limit, large.rows[i][1] if large is not None else 0] for i, small_row in
              enumerate(small.rows)]
     calls = torch.tensor(table, dtype=torch.int64).view(len(experts), 2, cpu_moe.CALL_WORDS)
-    return cpu_moe.ExpertCalls(router, calls, hidden, inter, max_rows, [p for p in (small, large) if p is not None])
+    recordings = [p for p in (small, large) if p is not None]
+    return cpu_moe.ExpertCalls(router, routing(moe), calls, hidden, inter, max_rows, recordings)
 
 
 def fuse_cpu_moe(model: nn.Module, weights: dict[int, torch.Tensor]) -> int:

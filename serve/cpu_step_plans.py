@@ -38,7 +38,7 @@ from quantkit.models.blocks import DecoderLayer
 from quantkit.models.layers import (MLP, Fp32LayerNorm, Fp32RMSNorm, GeGLUMLP, GeluTanhMLP, LayerNorm, LayerNorm1P,
                                     OffsetRMSNorm, Relu2MLP, RMSNorm)
 from quantkit.serve.attention import TorchPagedAttention
-from quantkit.serve.cpu_moe import CpuMoE
+from quantkit.serve.cpu_moe import CpuCorrectedSoftmaxMoE, CpuGroupedTopKMoE, CpuMoE
 from quantkit.serve.cpu_plan_linears import record_fused, record_linear
 from quantkit.serve.prepare import FusedAttention, FusedMLP
 
@@ -49,6 +49,7 @@ MAX_PLAN_BATCH = 64  # sequences: above, a step's Python is a small share of its
 _NORMS = (RMSNorm, Fp32RMSNorm, OffsetRMSNorm, Fp32LayerNorm, LayerNorm, LayerNorm1P)
 _GATED = {MLP: Plan.silu_mul, GeGLUMLP: Plan.gelu_tanh_mul}  # the MLPs of separate gate and up linears
 _UP_DOWN = (Relu2MLP, GeluTanhMLP)  # the MLPs without gate
+_PLAN_MOE = (CpuMoE, CpuGroupedTopKMoE, CpuCorrectedSoftmaxMoE)  # the MoE blocks of one call (and shared experts)
 
 
 def unsupported(runner) -> Optional[str]:
@@ -83,8 +84,8 @@ def _layer_unsupported(layer, attn: TorchPagedAttention, i: int) -> Optional[str
             return f"{type(norm).__name__} (a norm the C kernels compute)"
     if type(sa) not in (Attention, FusedAttention):
         return f"{type(sa).__name__}"
-    if type(layer.ffn) not in (*_GATED, FusedMLP, *_UP_DOWN, CpuMoE):
-        return f"{type(layer.ffn).__name__} (a dense MLP or a CpuMoE)"
+    if type(layer.ffn) not in (*_GATED, FusedMLP, *_UP_DOWN, *_PLAN_MOE):
+        return f"{type(layer.ffn).__name__} (a dense MLP or a MoE block of serve/cpu_moe.py)"
     if layer.rotary is not None and layer.rotary.long_inv_freq is not None:
         return "longrope's frequencies, not settled for one serving length"
     if attn.rows_kernel is None and (attn.decode_kernel is None or not kernel_servable(sa.spec)):
@@ -207,7 +208,7 @@ class Plans:
         else:
             plan.add_rows(resid, o)
             x = x if layer.parallel else resid
-        down = (self._moe if type(layer.ffn) is CpuMoE else self._mlp)(plan, layer.ffn, x)
+        down = (self._moe if type(layer.ffn) in _PLAN_MOE else self._mlp)(plan, layer.ffn, x)
         if down is None:
             return False
         self._residual(plan, layer, down)
@@ -291,11 +292,11 @@ class Plans:
         n, calls = x.shape[0], moe.expert_calls
         if not calls.takes(x):
             return None
-        key = (calls.hidden, calls.inter, calls.experts, moe.top_k)
+        key = (calls.hidden, calls.inter, calls.experts, calls.routing.top_k)
         if key not in self._moe_scratch:
-            self._moe_scratch[key] = cpu_moe.Scratch(self.top, calls, moe.top_k)
+            self._moe_scratch[key] = cpu_moe.Scratch(self.top, calls)
         out = self._buffer("moe", calls.hidden)[:n]
-        cpu_moe.record(plan, x, calls, moe.top_k, moe.normalize, moe.fp32_weights, self._moe_scratch[key], out)
+        cpu_moe.record(plan, x, calls, self._moe_scratch[key], out)
         if moe.shared_experts is not None:
             shared = self._mlp(plan, moe.shared_experts, x)
             if shared is None:

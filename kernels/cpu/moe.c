@@ -2,9 +2,14 @@
    computes, without a Python call per expert. Eager serving and the decode step plans both call it, so their
    outputs are one computation's.
 
-   route: logits = x @ router^T [n, E] (fp32 sums rounded to bf16, as a bf16 nn.Linear's) -> each token's k experts (chosen, int32 [n, k], in rank order) and weights (fp32
-   [n, k]): softmax in fp32, the k largest logits (ties to the lower expert), their probabilities, renormalised to
-   sum 1 with `normalize`, rounded to bf16 unless fp32_weights (Mixtral's weights stay fp32 in the product).
+   logits = x @ router^T [n, E], fp32 sums over H (a bf16 router's rounded to bf16, as a bf16 nn.Linear's; an fp32
+   router's, BiasedRouter's, kept). routing (int64 [ROUTE_WORDS]) says how they choose each token's k experts
+   (chosen, int32 [n, k], in rank order) and weights (fp32 [n, k]), as models/moe.py's select() methods:
+     ROUTE_SOFTMAX            values = softmax(logits); key = values; w = values, / their sum with `normalize`
+     ROUTE_CORRECTED_SOFTMAX  values = softmax(logits); key = values + bias; w / max(their sum, param) (ERNIE 4.5)
+     ROUTE_GROUPED_SIGMOID    values = sigmoid(logits); key = values + bias, only in the topk_groups groups of the
+                              best two-key sums; w / (their sum + 1e-20) with `normalize`, times param (GLM-4.5)
+   the k largest keys (ties to the lower expert), the weights rounded to bf16 unless fp32_weights. exp is exp.h's.
    experts: the n * k choices sorted by expert (a counting sort: tokens ascending within an expert); expert e's m
    tokens gathered into xg [m, H], act = gate_up(xg) [m, I] (the GEMM's silu(gate) * up epilogue), y = down(act)
    [m, H]; out[t] += bf16(y * weight) in expert order, each sum rounded to bf16 (torch's index_add of the products).
@@ -30,60 +35,109 @@ static void call_linear(const int64_t* call, const void* x, int m, void* y, int 
   call_kernel(op, threads);
 }
 
-/* whether logit v of expert j ranks after (u, i): lower, or equal from a higher expert */
-static inline int ranks_after(float v, int j, float u, int i) { return v < u || (v == u && j > i); }
+enum { ROUTE_SOFTMAX, ROUTE_CORRECTED_SOFTMAX, ROUTE_GROUPED_SIGMOID };
+/* routing's words, in order */
+enum { R_MODE, R_EXPERTS, R_TOP_K, R_NORMALIZE, R_FP32_WEIGHTS, R_FP32_ROUTER, R_BIAS, R_GROUPS, R_TOPK_GROUPS, R_PARAM,
+       ROUTE_WORDS };
 
-/* logits [n, E] = x [n, H] @ router [E, H]^T, each an fp32 sum over H rounded to bf16 */
-static void router_logits(const uint16_t* x, const uint16_t* router, int n, int E, int H, uint16_t* logits,
+/* logits [n, E] fp32 = x [n, H] @ router [E, H]^T (router bf16, the sums rounded to bf16; or fp32, kept) */
+static void router_logits(const uint16_t* x, const void* router, int fp32_router, int n, int E, int H, float* logits,
                           int threads) {
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t te = 0; te < (int64_t)n * E; te++) {
     const uint16_t* xr = x + (te / E) * H;
-    const uint16_t* wr = router + (te % E) * H;
     float sum = 0.f;
-    #pragma omp simd reduction(+ : sum)
-    for (int h = 0; h < H; h++) sum += bf16_to_f32(xr[h]) * bf16_to_f32(wr[h]);
-    logits[te] = f32_to_bf16(sum);
+    if (fp32_router) {
+      const float* wr = (const float*)router + (te % E) * H;
+      #pragma omp simd reduction(+ : sum)
+      for (int h = 0; h < H; h++) sum += bf16_to_f32(xr[h]) * wr[h];
+    } else {
+      const uint16_t* wr = (const uint16_t*)router + (te % E) * H;
+      #pragma omp simd reduction(+ : sum)
+      for (int h = 0; h < H; h++) sum += bf16_to_f32(xr[h]) * bf16_to_f32(wr[h]);
+    }
+    logits[te] = fp32_router ? sum : round_bf16(sum);
   }
 }
 
-static void route(const uint16_t* logits, int n, int E, int k, int normalize, int fp32_weights, int32_t* chosen,
-                  float* weights) {
+/* whether key v of index j ranks after (u, i): lower, or equal from a higher index */
+static inline int ranks_after(float v, int j, float u, int i) { return v < u || (v == u && j > i); }
+
+/* out[0..k): the indices of the k largest of key[0..E) (ties to the lower index), in rank order */
+static void top_k(const float* key, int E, int k, int32_t* out) {
+  for (int r = 0; r < k; r++) {  /* the best entry ranking after the previous pick */
+    int best = -1;
+    for (int j = 0; j < E; j++) {
+      if (r && !ranks_after(key[j], j, key[out[r - 1]], out[r - 1])) continue;
+      if (best < 0 || ranks_after(key[best], best, key[j], j)) best = j;
+    }
+    out[r] = best;
+  }
+}
+
+/* GLM-4.5's group limit: key [E] of `groups` groups; keys outside the topk_groups groups of the largest two-key sums
+   become -inf (E / groups >= 2) */
+static void limit_groups(float* key, int E, int groups, int topk_groups) {
+  const int per = E / groups;
+  float rank[groups];
+  int32_t best[groups];
+  for (int g = 0; g < groups; g++) {
+    int32_t two[2];
+    top_k(key + g * per, per, 2, two);
+    rank[g] = key[g * per + two[0]] + key[g * per + two[1]];
+  }
+  top_k(rank, groups, topk_groups, best);
+  for (int g = 0; g < groups; g++) {
+    int eligible = 0;
+    for (int i = 0; i < topk_groups; i++) eligible |= best[i] == g;
+    if (!eligible)
+      for (int j = 0; j < per; j++) key[g * per + j] = -__builtin_inff();
+  }
+}
+
+/* logits [n, E] -> chosen [n, k], weights [n, k] as `routing` says; logits become the keys, values [n, E] scratch */
+static void route(const int64_t* routing, int n, float* logits, float* values, int32_t* chosen, float* weights) {
+  const int mode = (int)routing[R_MODE], E = (int)routing[R_EXPERTS], k = (int)routing[R_TOP_K];
+  const float* bias = (const float*)(intptr_t)routing[R_BIAS];
+  const float param = bits_f32(routing[R_PARAM]);
   for (int t = 0; t < n; t++) {
-    const uint16_t* l = logits + (int64_t)t * E;
+    float* key = logits + (int64_t)t * E;
+    float* v = values + (int64_t)t * E;
     int32_t* c = chosen + (int64_t)t * k;
     float* w = weights + (int64_t)t * k;
-    float top = bf16_to_f32(l[0]);
-    for (int j = 1; j < E; j++) top = bf16_to_f32(l[j]) > top ? bf16_to_f32(l[j]) : top;
-    float sum = 0.f;
-    for (int j = 0; j < E; j++) sum += exp_approx(bf16_to_f32(l[j]) - top);
-    float chosen_sum = 0.f;
-    for (int r = 0; r < k; r++) {  /* the best expert ranking after the previous pick */
-      int best = -1;
-      float bv = 0.f;
-      for (int j = 0; j < E; j++) {
-        const float v = bf16_to_f32(l[j]);
-        if (r && !ranks_after(v, j, bf16_to_f32(l[c[r - 1]]), c[r - 1])) continue;
-        if (best < 0 || ranks_after(bv, best, v, j)) { best = j; bv = v; }
-      }
-      c[r] = best;
-      w[r] = exp_approx(bv - top) / sum;
-      chosen_sum += w[r];
+    if (mode == ROUTE_GROUPED_SIGMOID) {
+      for (int j = 0; j < E; j++) v[j] = 1.f / (1.f + exp_approx(-key[j]));
+    } else {
+      float top = key[0], sum = 0.f;
+      for (int j = 1; j < E; j++) top = key[j] > top ? key[j] : top;
+      for (int j = 0; j < E; j++) sum += v[j] = exp_approx(key[j] - top);
+      for (int j = 0; j < E; j++) v[j] /= sum;
     }
+    for (int j = 0; j < E; j++) key[j] = v[j] + (mode == ROUTE_SOFTMAX ? 0.f : bias[j]);
+    if (mode == ROUTE_GROUPED_SIGMOID) limit_groups(key, E, (int)routing[R_GROUPS], (int)routing[R_TOPK_GROUPS]);
+    top_k(key, E, k, c);
+    float sum = 0.f;
+    for (int r = 0; r < k; r++) sum += w[r] = v[c[r]];
+    float divisor = 1.f;
+    if (mode == ROUTE_CORRECTED_SOFTMAX) divisor = sum > param ? sum : param;
+    else if (routing[R_NORMALIZE]) divisor = mode == ROUTE_GROUPED_SIGMOID ? sum + 1e-20f : sum;
     for (int r = 0; r < k; r++) {
-      if (normalize) w[r] /= chosen_sum;
-      if (!fp32_weights) w[r] = round_bf16(w[r]);
+      w[r] /= divisor;
+      if (mode == ROUTE_GROUPED_SIGMOID) w[r] *= param;
+      if (!routing[R_FP32_WEIGHTS]) w[r] = round_bf16(w[r]);
     }
   }
 }
 
-/* x [n, H] bf16 contiguous, router [E, H] bf16 -> out [n, H] bf16; scratch: xg [n, H], act [n, I], y [n, H], logits
-   [n, E] bf16, chosen int32 [n, k], weights fp32 [n, k], order int32 [E + 1 + n * k] */
-void moe_forward(const uint16_t* router, int E, const uint16_t* x, int n, int H, int k, int normalize, int fp32_weights,
-                 const int64_t* calls, uint16_t* xg, uint16_t* act, uint16_t* y, uint16_t* logits, int32_t* chosen,
+/* x [n, H] bf16 contiguous, router [E, H] (bf16 or fp32: routing) -> out [n, H] bf16; scratch: xg [n, H], act
+   [n, I], y [n, H] bf16, logits and values fp32 [n, E], chosen int32 [n, k], weights fp32 [n, k], order int32
+   [E + 1 + n * k] */
+void moe_forward(const void* router, const uint16_t* x, int n, int H, const int64_t* routing, const int64_t* calls,
+                 uint16_t* xg, uint16_t* act, uint16_t* y, float* logits, float* values, int32_t* chosen,
                  float* weights, int32_t* order, uint16_t* out, int threads) {
-  router_logits(x, router, n, E, H, logits, threads);
-  route(logits, n, E, k, normalize, fp32_weights, chosen, weights);
+  const int E = (int)routing[R_EXPERTS], k = (int)routing[R_TOP_K];
+  router_logits(x, router, (int)routing[R_FP32_ROUTER], n, E, H, logits, threads);
+  route(routing, n, logits, values, chosen, weights);
   int32_t* ends = order;  /* ends[e]: where expert e's slots end in `slots` (its start: ends[e - 1], or 0) */
   int32_t* slots = order + E + 1;
   memset(ends, 0, sizeof(int32_t) * (E + 1));

@@ -31,8 +31,8 @@ typedef void (*rowwise_gemm_fn)(const uint16_t*, int, int, const uint32_t*, int6
 typedef void (*gemm_bf16_fn)(const uint16_t*, int, int, const uint32_t*, int64_t, int, uint16_t*, int, int);
 typedef void (*paged_decode_fn)(const void*, const void*, const void*, const int32_t*, const int32_t*, void*, int, int,
                                 int, int, int, int, float, int, int);
-typedef void (*moe_fn)(const uint16_t*, int, const uint16_t*, int, int, int, int, int, const int64_t*, uint16_t*,
-                       uint16_t*, uint16_t*, uint16_t*, int32_t*, float*, int32_t*, uint16_t*, int);
+typedef void (*moe_fn)(const void*, const uint16_t*, int, int, const int64_t*, const int64_t*, uint16_t*, uint16_t*,
+                       uint16_t*, float*, float*, int32_t*, float*, int32_t*, uint16_t*, int);
 typedef void (*paged_rows_fn)(const void*, const void*, const void*, const int32_t*, const int32_t*, const int32_t*,
                               void*, int, int, int, int, int, int, float, int, float, int, int);
 
@@ -88,8 +88,8 @@ static int call_kernel(const int64_t* op, int threads) {
       return 1;
     case OP_ACTIVATION: ((activation_fn)fn)(P(0), a[1], P(2), I(3), I(4), I(5), threads); return 1;
     case OP_MOE:
-      ((moe_fn)fn)(P(0), I(1), P(2), I(3), I(4), I(5), I(6), I(7), P(8), P(9), P(10), P(11), P(12), P(13), P(14),
-                   P(15), P(16), threads);
+      ((moe_fn)fn)(P(0), P(1), I(2), I(3), P(4), P(5), P(6), P(7), P(8), P(9), P(10), P(11), P(12), P(13), P(14),
+                   threads);
       return 1;
     default: return 0;
   }

@@ -69,7 +69,8 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(lib[name], ctypes.c_void_p).value
 
 
-def _bits(value: float) -> int:
+def float_bits(value: float) -> int:
+    """value as the 32 bits of its fp32 (a float argument of a recorded call)."""
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
@@ -118,7 +119,7 @@ class Plan:
     def add_fp32_norm(self, x: torch.Tensor, residual: torch.Tensor | None, total: torch.Tensor | None,
                       weight: torch.Tensor, out: torch.Tensor, eps: float, offset: float, centered: bool,
                       bias: torch.Tensor | None = None) -> None:
-        self._norm("add_fp32_norm", x, residual, total, weight, out, eps, bias, _bits(offset), int(centered),
+        self._norm("add_fp32_norm", x, residual, total, weight, out, eps, bias, float_bits(offset), int(centered),
                    _ptr(bias))
 
     def _norm(self, kind: str, x, residual, total, weight, out, eps: float, bias=None, *scaling: int) -> None:
@@ -130,7 +131,7 @@ class Plan:
                 raise ValueError(f"{kind}: {tuple(t.shape)} {t.dtype} is not a contiguous [.., {h}] {x.dtype}")
         self.record(kind, self._fused,
                      [x.data_ptr(), xs, _ptr(residual), _ptr(total), weight.data_ptr(), out.data_ptr(), n, h,
-                      _bits(eps), *scaling, DTYPE_CODES[x.dtype]], x, residual, total, weight, out, bias)
+                      float_bits(eps), *scaling, DTYPE_CODES[x.dtype]], x, residual, total, weight, out, bias)
 
     # rope - q [n, Hq, D], k [n, Hk, D] (tokens at stride, heads contiguous), positions int64 [n], table fp32 [P, R]
     #        (R <= D: the first R dims of each head rotate)
@@ -233,7 +234,7 @@ class Plan:
         _, bs, hkv, _ = k_cache.shape
         self.record("paged_decode", paged_decode._library(),
                      [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                      out.data_ptr(), s, hq, hkv, d, bs, tables.shape[1], _bits(scale), DTYPE_CODES[q.dtype]],
+                      out.data_ptr(), s, hq, hkv, d, bs, tables.shape[1], float_bits(scale), DTYPE_CODES[q.dtype]],
                      q, k_cache, v_cache, tables, lens, out)
 
     # paged_rows - as paged_decode, each row r of sequence row_seqs[r] with length row_lens[r], window and soft-cap
@@ -248,8 +249,8 @@ class Plan:
         _, bs, hkv, _ = k_cache.shape
         self.record("paged_rows", paged_decode._library(),
                      [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), row_seqs.data_ptr(),
-                      row_lens.data_ptr(), out.data_ptr(), r, hq, hkv, d, bs, tables.shape[1], _bits(scale),
-                      window or 0, _bits(softcap or 0.0), DTYPE_CODES[q.dtype]],
+                      row_lens.data_ptr(), out.data_ptr(), r, hq, hkv, d, bs, tables.shape[1], float_bits(scale),
+                      window or 0, float_bits(softcap or 0.0), DTYPE_CODES[q.dtype]],
                      q, k_cache, v_cache, tables, row_seqs, row_lens, out)
 
     # copy_rows - src [*, ...] rows (at stride), index int64 [n] or None -> dst [n, ...] rows (at stride)
@@ -280,7 +281,7 @@ class Plan:
         n, ys = fused._rows(y)
         if y.dtype is not torch.bfloat16 or y.dim() != 2:
             raise ValueError(f"scale_rows: y {tuple(y.shape)} {y.dtype} (bf16 rows)")
-        self.record("scale_rows", None, [y.data_ptr(), ys, _bits(s), n, y.shape[-1]], y)
+        self.record("scale_rows", None, [y.data_ptr(), ys, float_bits(s), n, y.shape[-1]], y)
 
     # scale_rows_at - y [n, H] bf16 (rows at stride), index int64 [n], table bf16 [P] -> y[t] *= table[index[t]]
     def scale_rows_at(self, y: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> None:

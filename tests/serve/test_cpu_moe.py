@@ -12,7 +12,7 @@ from quantkit.config import QuantScheme
 from quantkit.kernels.cpu import gemv
 from quantkit.kernels.cpu import moe as cpu_moe
 from quantkit.models.loader import load_model
-from quantkit.models.moe import MoE
+from quantkit.models.moe import BiasedRouter, MoE
 from quantkit.quant.qlinear import QLinear
 from quantkit.serve.cpu_linear import can_pack
 from quantkit.serve.cpu_moe import CpuMoE
@@ -24,12 +24,14 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 needs_gemv = pytest.mark.skipif(not gemv.available(), reason="no AVX2 + FMA + F16C: W4 experts have no C GEMV here")
 
 
-def prepared(folder, weights: str):
-    """The model loaded in bf16 (W4: RTN experts, g32), prepared for serving on CPU as the default runner prepares it
-    (batch-invariant: bf16 linears on a row-invariant kernel; oneDNN's, which moe.c cannot call, keep MoE.forward)."""
+def prepared(folder, weights: str, change=lambda model: None):
+    """The model loaded in bf16 (W4: RTN experts, g32), changed by `change`, then prepared for serving on CPU as the
+    default runner prepares it (batch-invariant: bf16 linears on a row-invariant kernel; oneDNN's, which moe.c
+    cannot call, keep MoE.forward)."""
     model = load_model(str(folder), dtype=torch.bfloat16).model
     if weights == "w4":
         rtn_quantize_linears(model, QuantScheme(bits=4, group_size=32, sym=False))
+    change(model)
     prepare_model(model, torch.device("cpu"), torch.bfloat16, 64, fused_ops=True, batch_invariant=True)
     return model
 
@@ -38,11 +40,21 @@ def moe_blocks(model) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "hunyuan_moe"])
+# softmax top-k (Mixtral: fp32 weights; Qwen2-MoE: a gated shared expert; OLMoE: not renormalised; Hunyuan: shared
+# experts), GLM-4.5's grouped sigmoid (fp32 router, 4 experts in 2 groups, 1 eligible) and ERNIE 4.5's corrected
+# softmax (fp32 router)
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "hunyuan_moe", "glm4_moe",
+                                  "ernie4_5_moe"])
 @pytest.mark.parametrize("weights", ["bf16", pytest.param("w4", marks=needs_gemv)])
 @pytest.mark.parametrize("tokens", [1, 3, 9])
 def test_the_c_call_computes_what_moe_forward_computes(family_folder, name, weights, tokens):
-    model = prepared(family_folder(name), weights)
+    def biased(model):  # the correction biases (zeros as built) of a scale that changes which experts are chosen
+        torch.manual_seed(0)
+        for block in moe_blocks(model):
+            if isinstance(block.gate, BiasedRouter):
+                block.gate.e_score_correction_bias.normal_(0, 0.3)
+
+    model = prepared(family_folder(name), weights, biased)
     blocks = moe_blocks(model)
     assert blocks and all(isinstance(b, CpuMoE) for b in blocks)
     torch.manual_seed(tokens)
@@ -57,9 +69,7 @@ def test_the_c_call_computes_what_moe_forward_computes(family_folder, name, weig
         assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max(), name
 
 
-def test_blocks_of_other_routing_keep_their_forward_and_routers_stay_float(family_folder):
-    for name in ("glm4_moe", "ernie4_5_moe"):
-        assert not any(isinstance(b, CpuMoE) for b in moe_blocks(prepared(family_folder(name), "bf16"))), name
+def test_mixtral_experts_fuse_and_routers_stay_float(family_folder):
     model = prepared(family_folder("mixtral"), "w4" if gemv.available() else "bf16")
     block = moe_blocks(model)[0]
     assert all(type(e) is FusedMixtralExpert for e in block.experts)
@@ -69,13 +79,15 @@ def test_blocks_of_other_routing_keep_their_forward_and_routers_stay_float(famil
 def test_routing_ties_go_to_the_lower_expert(family_folder):
     """Experts 1 and 2 of equal router rows, far above the others: top-1 routes every token to expert 1, whose
     output (weight 1) is the block's, bit for bit."""
-    model = prepared(family_folder("qwen3_moe"), "bf16")
-    block = moe_blocks(model)[0]
-    router = block.expert_calls.router
-    router.zero_()
-    router[1] = router[2] = 1.0
-    block.top_k = 1
-    x = torch.rand(5, router.shape[1]).add(0.5).to(torch.bfloat16)  # positive: experts 1 and 2 lead by sum(x)
+    def tie(model):
+        block = moe_blocks(model)[0]
+        with torch.no_grad():
+            block.gate.weight.zero_()
+            block.gate.weight[1:3] = 1.0
+        block.top_k = 1
+
+    block = moe_blocks(prepared(family_folder("qwen3_moe"), "bf16", tie))[0]
+    x = torch.rand(5, block.expert_calls.hidden).add(0.5).to(torch.bfloat16)  # experts 1 and 2 lead by sum(x)
     got = block(x)
     assert torch.equal(got, block.experts[1](x))
     assert not torch.equal(got, block.experts[2](x))
