@@ -120,7 +120,11 @@ def expert_calls(moe: MoE, router: torch.Tensor) -> Optional[cpu_moe.ExpertCalls
              enumerate(small.rows)]
     calls = torch.tensor(table, dtype=torch.int64).view(len(experts), 2, cpu_moe.CALL_WORDS)
     recordings = [p for p in (small, large) if p is not None]
-    return cpu_moe.ExpertCalls(router, routing(moe), calls, hidden, inter, max_rows, recordings)
+    try:
+        return cpu_moe.ExpertCalls(router, routing(moe), calls, hidden, inter, max_rows, recordings)
+    except ValueError as e:  # a routing or router moe.c does not take
+        log.info("MoE block of %d experts keeps MoE.forward: %s", len(experts), e)
+        return None
 
 
 def fuse_cpu_moe(model: nn.Module, weights: dict[int, torch.Tensor]) -> int:

@@ -63,7 +63,7 @@ static void router_logits(const uint16_t* x, const void* router, int fp32_router
 /* whether key v of index j ranks after (u, i): lower, or equal from a higher index */
 static inline int ranks_after(float v, int j, float u, int i) { return v < u || (v == u && j > i); }
 
-/* out[0..k): the indices of the k largest of key[0..E) (ties to the lower index), in rank order */
+/* out[0..k): the indices of the k largest of key[0..E) (ties to the lower index), in rank order; k <= E, no NaN */
 static void top_k(const float* key, int E, int k, int32_t* out) {
   for (int r = 0; r < k; r++) {  /* the best entry ranking after the previous pick */
     int best = -1;
@@ -113,7 +113,10 @@ static void route(const int64_t* routing, int n, float* logits, float* values, i
       for (int j = 0; j < E; j++) sum += v[j] = exp_approx(key[j] - top);
       for (int j = 0; j < E; j++) v[j] /= sum;
     }
-    for (int j = 0; j < E; j++) key[j] = v[j] + (mode == ROUTE_SOFTMAX ? 0.f : bias[j]);
+    for (int j = 0; j < E; j++) {
+      key[j] = v[j] + (mode == ROUTE_SOFTMAX ? 0.f : bias[j]);
+      key[j] = key[j] == key[j] ? key[j] : -__builtin_inff();  /* NaN ranks last: every key compares */
+    }
     if (mode == ROUTE_GROUPED_SIGMOID) limit_groups(key, E, (int)routing[R_GROUPS], (int)routing[R_TOPK_GROUPS]);
     top_k(key, E, k, c);
     float sum = 0.f;

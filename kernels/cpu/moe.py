@@ -50,10 +50,15 @@ class Routing:
 
     def words(self, experts: int, fp32_router: bool) -> torch.Tensor:
         """moe.c's routing words (int64 [10], its R_ enum's order)."""
+        grouped = self.mode == "grouped_sigmoid"
+        per = experts // self.groups if grouped and self.groups > 0 else experts
         if (self.bias is None) != (self.mode == "softmax") or not 1 <= self.top_k <= experts or (
                 self.bias is not None and (self.bias.dtype is not torch.float32 or self.bias.shape != (experts,)
-                                           or not self.bias.is_contiguous())):
-            raise ValueError(f"moe routing {self.mode!r}: top-{self.top_k} of {experts} experts, bias "
+                                           or not self.bias.is_contiguous())) or (grouped and not (
+                self.groups > 0 and experts % self.groups == 0 and per >= 2 and 1 <= self.topk_groups <= self.groups
+                and self.top_k <= self.topk_groups * per)):
+            raise ValueError(f"moe routing {self.mode!r}: top-{self.top_k} of {experts} experts (groups "
+                             f"{self.groups}, {self.topk_groups} eligible), bias "
                              f"{None if self.bias is None else (self.bias.dtype, tuple(self.bias.shape))}")
         bias = 0 if self.bias is None else self.bias.data_ptr()
         return torch.tensor([ROUTES.index(self.mode), experts, self.top_k, int(self.normalize),

@@ -91,3 +91,14 @@ def test_routing_ties_go_to_the_lower_expert(family_folder):
     got = block(x)
     assert torch.equal(got, block.experts[1](x))
     assert not torch.equal(got, block.experts[2](x))
+
+
+def test_a_nan_token_routes_and_leaves_the_other_tokens_alone(family_folder):
+    """NaN logits rank last (every choice stays an expert index); bf16 experts are row-invariant, so the other
+    tokens' outputs are those of a call without the NaN token."""
+    block = moe_blocks(prepared(family_folder("qwen3_moe"), "bf16"))[0]
+    x = torch.randn(3, block.expert_calls.hidden).to(torch.bfloat16)
+    x[1] = float("nan")
+    got = block(x)
+    assert got[1].isnan().all()
+    assert torch.equal(got[[0, 2]], block(x[[0, 2]]))
