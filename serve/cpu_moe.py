@@ -48,7 +48,19 @@ class CpuMoE(MoE):
 
 
 class CpuSharedExpertMoE(SharedExpertMoE, CpuMoE):
-    """Qwen2-MoE: SharedExpertMoE.forward adds the shared expert to super().forward, which is CpuMoE's here."""
+    """Qwen2-MoE: the routed experts on CpuMoE's call, then sigmoid(shared_expert_gate(x)) * shared_expert(x) added
+    by moe.c's sigmoid_gated_add (over shared_gate, the gate's weight)."""
+
+    shared_gate: torch.Tensor  # bf16 [H]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if not self.expert_calls.takes(flat):
+            return SharedExpertMoE.forward(self, x)  # (its super().forward: CpuMoE's, which passes it on to MoE's)
+        flat = flat.contiguous()
+        routed = CpuMoE.forward(self, flat)
+        shared = self.shared_expert(flat).contiguous()
+        return cpu_moe.sigmoid_gated_add(routed, shared, flat, self.shared_gate).view(x.shape)
 
 
 class CpuGroupedTopKMoE(GroupedTopKMoE, CpuMoE):
@@ -88,13 +100,22 @@ def _recorded(experts: list[nn.Module], rows: int, hidden: int, inter: int) -> O
     return plan if len(plan) == 2 * len(experts) else None
 
 
-def routers(model: nn.Module) -> dict[int, torch.Tensor]:
-    """id(block) -> its router's weight [E, H], for every block of a CPU_MOE class whose router is an nn.Linear (in
-    bf16) or a BiasedRouter (in fp32, as it computes): taken before pack_linears replaces the plain routers by
-    PackedLinears (which keep only their kernel's layout)."""
+def routers(model: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
+    """(id(block), name) -> the weight of its linear `name` that moe.c reads, for every block of a CPU_MOE class:
+    "gate", the router [E, H] when an nn.Linear (in bf16) or a BiasedRouter (in fp32, as it computes), and
+    Qwen2-MoE's "shared_expert_gate" (bf16 [H]). Taken before pack_linears replaces plain Linears by PackedLinears
+    (which keep only their kernel's layout)."""
     dtypes = {nn.Linear: torch.bfloat16, BiasedRouter: torch.float32}
-    return {id(block): block.gate.weight.detach().to(dtypes[type(block.gate)]).contiguous()
-            for block in model.modules() if type(block) in CPU_MOE and type(block.gate) in dtypes}
+    weights = {}
+    for block in model.modules():
+        if type(block) not in CPU_MOE:
+            continue
+        if type(block.gate) in dtypes:
+            weights[id(block), "gate"] = block.gate.weight.detach().to(dtypes[type(block.gate)]).contiguous()
+        gate = getattr(block, "shared_expert_gate", None)
+        if type(gate) is nn.Linear and gate.bias is None:
+            weights[id(block), "shared_expert_gate"] = gate.weight.detach().to(torch.bfloat16).reshape(-1)
+    return weights
 
 
 def expert_calls(moe: MoE, router: torch.Tensor) -> Optional[cpu_moe.ExpertCalls]:
@@ -127,7 +148,7 @@ def expert_calls(moe: MoE, router: torch.Tensor) -> Optional[cpu_moe.ExpertCalls
         return None
 
 
-def fuse_cpu_moe(model: nn.Module, weights: dict[int, torch.Tensor]) -> int:
+def fuse_cpu_moe(model: nn.Module, weights: dict[tuple[int, str], torch.Tensor]) -> int:
     """Turn each MoE block of a CPU bf16 model prepared for serving into its CPU_MOE class where expert_calls takes
     its experts (weights: routers(model) before the packing); returns how many."""
     if not cpu_moe.available():
@@ -135,11 +156,15 @@ def fuse_cpu_moe(model: nn.Module, weights: dict[int, torch.Tensor]) -> int:
     fused = 0
     for block in list(model.modules()):
         cls = CPU_MOE.get(type(block))
-        router = weights.get(id(block))
-        calls = expert_calls(block, router) if cls is not None and router is not None else None
+        router, shared_gate = weights.get((id(block), "gate")), weights.get((id(block), "shared_expert_gate"))
+        if cls is None or router is None or (cls is CpuSharedExpertMoE and shared_gate is None):
+            continue
+        calls = expert_calls(block, router)
         if calls is None:
             continue
         block.__class__ = cls
         block.expert_calls = calls
+        if cls is CpuSharedExpertMoE:
+            block.shared_gate = shared_gate
         fused += 1
     return fused

@@ -38,7 +38,7 @@ from quantkit.models.blocks import DecoderLayer
 from quantkit.models.layers import (MLP, Fp32LayerNorm, Fp32RMSNorm, GeGLUMLP, GeluTanhMLP, LayerNorm, LayerNorm1P,
                                     OffsetRMSNorm, Relu2MLP, RMSNorm)
 from quantkit.serve.attention import TorchPagedAttention
-from quantkit.serve.cpu_moe import CpuCorrectedSoftmaxMoE, CpuGroupedTopKMoE, CpuMoE
+from quantkit.serve.cpu_moe import CpuCorrectedSoftmaxMoE, CpuGroupedTopKMoE, CpuMoE, CpuSharedExpertMoE
 from quantkit.serve.cpu_plan_linears import record_fused, record_linear
 from quantkit.serve.prepare import FusedAttention, FusedMLP
 
@@ -49,7 +49,8 @@ MAX_PLAN_BATCH = 64  # sequences: above, a step's Python is a small share of its
 _NORMS = (RMSNorm, Fp32RMSNorm, OffsetRMSNorm, Fp32LayerNorm, LayerNorm, LayerNorm1P)
 _GATED = {MLP: Plan.silu_mul, GeGLUMLP: Plan.gelu_tanh_mul}  # the MLPs of separate gate and up linears
 _UP_DOWN = (Relu2MLP, GeluTanhMLP)  # the MLPs without gate
-_PLAN_MOE = (CpuMoE, CpuGroupedTopKMoE, CpuCorrectedSoftmaxMoE)  # the MoE blocks of one call (and shared experts)
+# the MoE blocks of one call (and their shared experts)
+_PLAN_MOE = (CpuMoE, CpuSharedExpertMoE, CpuGroupedTopKMoE, CpuCorrectedSoftmaxMoE)
 
 
 def unsupported(runner) -> Optional[str]:
@@ -288,7 +289,8 @@ class Plans:
         return normed[0], normed[1]
 
     def _moe(self, plan: Plan, moe: CpuMoE, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """x [n, H] contiguous -> moe(x): one moe_forward call [+ the shared experts' MLP, added after]."""
+        """x [n, H] contiguous -> moe(x): one moe_forward call [+ the shared experts' MLP, added after (Qwen2-MoE's
+        gated by sigmoid_gated_add)]."""
         n, calls = x.shape[0], moe.expert_calls
         if not calls.takes(x):
             return None
@@ -297,11 +299,15 @@ class Plans:
             self._moe_scratch[key] = cpu_moe.Scratch(self.top, calls)
         out = self._buffer("moe", calls.hidden)[:n]
         cpu_moe.record(plan, x, calls, self._moe_scratch[key], out)
-        if moe.shared_experts is not None:
-            shared = self._mlp(plan, moe.shared_experts, x)
+        shared_mlp = moe.shared_expert if isinstance(moe, CpuSharedExpertMoE) else moe.shared_experts
+        if shared_mlp is not None:
+            shared = self._mlp(plan, shared_mlp, x)
             if shared is None:
                 return None
-            plan.add_rows(out, shared)
+            if isinstance(moe, CpuSharedExpertMoE):
+                cpu_moe.record_gated_add(plan, out, shared, x, moe.shared_gate)
+            else:
+                plan.add_rows(out, shared)
         return out
 
     def _mlp(self, plan: Plan, mlp, x: torch.Tensor) -> Optional[torch.Tensor]:

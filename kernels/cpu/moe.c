@@ -15,7 +15,8 @@
    [m, H]; out[t] += bf16(y * weight) in expert order, each sum rounded to bf16 (torch's index_add of the products).
    Each expert linear is a recorded plan_call.h GEMM call (calls [E, 2, CALL_WORDS]: gate_up, down) with its x, row
    count and y replaced: words [0, OP_WORDS) the call on its kernel for small row counts, then that kernel's row
-   limit (0: any), then the address of the kernel for more rows (same arguments). */
+   limit (0: any), then the address of the kernel for more rows (same arguments).
+   sigmoid_gated_add: Qwen2-MoE's shared expert, added after the routed ones. */
 #include <stdint.h>
 #include <string.h>
 
@@ -164,5 +165,23 @@ void moe_forward(const void* router, const uint16_t* x, int n, int H, const int6
       #pragma omp simd
       for (int h = 0; h < H; h++) o[h] = f32_to_bf16(bf16_to_f32(o[h]) + round_bf16(bf16_to_f32(yr[h]) * w));
     }
+  }
+}
+
+/* out [n, H] bf16 += bf16(shared * s_t), s_t = bf16(sigmoid(bf16(x_t . gate))) (x, shared [n, H], gate [H] bf16;
+   the dot an fp32 sum): Qwen2-MoE's gated shared expert, each step rounded to bf16 as torch's bf16 ops round it */
+void sigmoid_gated_add(uint16_t* out, const uint16_t* shared, const uint16_t* x, const uint16_t* gate, int n, int H,
+                       int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int t = 0; t < n; t++) {
+    const uint16_t* xr = x + (int64_t)t * H;
+    float dot = 0.f;
+    #pragma omp simd reduction(+ : dot)
+    for (int h = 0; h < H; h++) dot += bf16_to_f32(xr[h]) * bf16_to_f32(gate[h]);
+    const float s = round_bf16(1.f / (1.f + exp_approx(-round_bf16(dot))));
+    uint16_t* o = out + (int64_t)t * H;
+    const uint16_t* sh = shared + (int64_t)t * H;
+    #pragma omp simd
+    for (int h = 0; h < H; h++) o[h] = f32_to_bf16(bf16_to_f32(o[h]) + round_bf16(bf16_to_f32(sh[h]) * s));
   }
 }

@@ -6,7 +6,8 @@ of moe.c's three, as models/moe.py's select() methods compute it, ties to the lo
 relative error ~2e-7, so a weight may differ from torch's by an ulp), and every expert's gate_up (with the
 silu(gate) * up epilogue) and down linear as step-plan calls (kernels/cpu/step_plan.py rows, recorded on dummy
 tensors) that moe.c replays with its own x, row count and y: a kernel for small row counts with its row limit, and
-the kernel for more rows where one runs here.
+the kernel for more rows where one runs here. sigmoid_gated_add: Qwen2-MoE's shared expert, gated by the sigmoid of
+one more linear, added after the routed experts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from quantkit.kernels.cpu.step_plan import OP_WORDS, Plan, float_bits
 CALL_WORDS = OP_WORDS + 2  # moe.c's: the call, its kernel's row limit (0: any), the address of the larger kernel
 ROUTES = ("softmax", "corrected_softmax", "grouped_sigmoid")  # moe.c's ROUTE_ enum, in order
 _P, _INT = ctypes.c_void_p, ctypes.c_int
-SIGNATURES = {"moe_forward": [_P, _P, _INT, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _INT]}
+SIGNATURES = {"moe_forward": [_P, _P, _INT, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _INT],
+              "sigmoid_gated_add": [_P, _P, _P, _P, _INT, _INT, _INT]}
 
 
 def _library():
@@ -141,3 +143,24 @@ def record(plan: Plan, x: torch.Tensor, calls: ExpertCalls, scratch: Scratch, ou
     """moe_forward as a plan call over these tensors."""
     plan.record("moe", _library(), arguments(x, calls, scratch, out), x, calls.router, calls.words, calls.table,
                 *scratch.tensors(), out, function="moe_forward")
+
+
+def _gated_add_arguments(out: torch.Tensor, shared: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> list[int]:
+    """sigmoid_gated_add's arguments but the thread count: out, shared, x bf16 [T, H] contiguous, gate bf16 [H]."""
+    t, h = x.shape
+    if any(a.dtype is not torch.bfloat16 or not a.is_contiguous() or tuple(a.shape) != shape
+           for a, shape in ((out, (t, h)), (shared, (t, h)), (x, (t, h)), (gate, (h,)))):
+        raise ValueError(f"sigmoid_gated_add: out {tuple(out.shape)}, shared {tuple(shared.shape)}, x {tuple(x.shape)}"
+                         f", gate {tuple(gate.shape)}: bf16 contiguous [T, H] and [H]")
+    return [out.data_ptr(), shared.data_ptr(), x.data_ptr(), gate.data_ptr(), t, h]
+
+
+def sigmoid_gated_add(out: torch.Tensor, shared: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """out += sigmoid(x @ gate) * shared, in place (each step rounded to bf16) -> out."""
+    _library().sigmoid_gated_add(*_gated_add_arguments(out, shared, x, gate), torch.get_num_threads())
+    return out
+
+
+def record_gated_add(plan: Plan, out: torch.Tensor, shared: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> None:
+    """sigmoid_gated_add as a plan call over these tensors."""
+    plan.record("sigmoid_gated_add", _library(), _gated_add_arguments(out, shared, x, gate), out, shared, x, gate)

@@ -9,7 +9,7 @@
 #define OP_WORDS 20
 enum { OP_ADD_RMS_NORM, OP_ROPE, OP_SILU_MUL, OP_KV_STORE, OP_QGEMV, OP_ROWWISE_GEMM, OP_PAGED_DECODE, OP_PAGED_ROWS,
        OP_COPY_ROWS, OP_ADD_ROWS, OP_ROWWISE_QGEMM, OP_GEMM_BF16, OP_QGEMM, OP_SCALE_ROWS, OP_ADD_FP32_NORM,
-       OP_GELU_TANH_MUL, OP_SCALE_ROWS_AT, OP_ACTIVATION, OP_MOE };
+       OP_GELU_TANH_MUL, OP_SCALE_ROWS_AT, OP_ACTIVATION, OP_MOE, OP_SIGMOID_GATED_ADD };
 
 /* the other libraries' kernels (fused.c, gemv.c, rowwise_gemm.c, gemm.c, paged_decode.c, moe.c), as declared there;
    silu_mul_fn is fused.c's gelu_tanh_mul too, activation_fn its relu2_rows and gelu_tanh_rows */
@@ -33,6 +33,7 @@ typedef void (*paged_decode_fn)(const void*, const void*, const void*, const int
                                 int, int, int, int, float, int, int);
 typedef void (*moe_fn)(const void*, const uint16_t*, int, int, const int64_t*, const int64_t*, uint16_t*, uint16_t*,
                        uint16_t*, float*, float*, int32_t*, float*, int32_t*, uint16_t*, int);
+typedef void (*gated_add_fn)(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, int, int, int);
 typedef void (*paged_rows_fn)(const void*, const void*, const void*, const int32_t*, const int32_t*, const int32_t*,
                               void*, int, int, int, int, int, int, float, int, float, int, int);
 
@@ -91,6 +92,7 @@ static int call_kernel(const int64_t* op, int threads) {
       ((moe_fn)fn)(P(0), P(1), I(2), I(3), P(4), P(5), P(6), P(7), P(8), P(9), P(10), P(11), P(12), P(13), P(14),
                    threads);
       return 1;
+    case OP_SIGMOID_GATED_ADD: ((gated_add_fn)fn)(P(0), P(1), P(2), P(3), I(4), I(5), threads); return 1;
     default: return 0;
   }
 }

@@ -7,9 +7,9 @@ them and writes the same outputs; the thread count is read at replay. The launch
 dtypes) are the recorder's: each method checks what its kernel assumes, once, when the plan is built.
 Kernels: fused.c (add_rms_norm, rope, silu_mul, kv_store), gemv.c (qgemv), rowwise_gemm.c (rowwise_gemm,
 rowwise_qgemm), gemm.c (gemm_bf16, qgemm: the AMX tile GEMMs, where AMX runs), paged_decode.c (paged_decode,
-paged_rows), moe.c (moe_forward, recorded by kernels/cpu/moe.py) and step_plan.c's own copy_rows, add_rows and
-scale_rows. bf16 activations (the GEMV and the GEMMs are bf16 kernels); the attention and per-token kernels are
-recorded in their tensors' dtype.
+paged_rows), moe.c (moe_forward, sigmoid_gated_add: recorded by kernels/cpu/moe.py) and step_plan.c's own
+copy_rows, add_rows and scale_rows. bf16 activations (the GEMV and the GEMMs are bf16 kernels); the attention and
+per-token kernels are recorded in their tensors' dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from quantkit.kernels.cpu.gemm import _FUSED_MAX_M, _check_quantized, _check_vnn
 OP_WORDS = 20  # plan_call.h's OP_WORDS: kind, function, up to 18 arguments
 KINDS = ["add_rms_norm", "rope", "silu_mul", "kv_store", "qgemv", "rowwise_gemm", "paged_decode", "paged_rows",
          "copy_rows", "add_rows", "rowwise_qgemm", "gemm_bf16", "qgemm", "scale_rows", "add_fp32_norm",
-         "gelu_tanh_mul", "scale_rows_at", "activation", "moe"]  # plan_call.h's enum, in order
+         "gelu_tanh_mul", "scale_rows_at", "activation", "moe", "sigmoid_gated_add"]  # plan_call.h's enum, in order
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"run_plan": [_P, _INT, _INT], "copy_rows": [_P, _I64, _P, _P, _I64, _INT, _I64],
               "add_rows": [_P, _I64, _P, _I64, _INT, _INT], "scale_rows": [_P, _I64, ctypes.c_float, _INT, _INT],

@@ -13,6 +13,7 @@ from quantkit.kernels.cpu import gemv
 from quantkit.kernels.cpu import moe as cpu_moe
 from quantkit.models.loader import load_model
 from quantkit.models.moe import BiasedRouter, MoE
+from quantkit.models.qwen2_moe import SharedExpertMoE
 from quantkit.quant.qlinear import QLinear
 from quantkit.serve.cpu_linear import can_pack
 from quantkit.serve.cpu_moe import CpuMoE
@@ -40,6 +41,15 @@ def moe_blocks(model) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def reference(block: MoE, x: torch.Tensor) -> torch.Tensor:
+    """MoE.forward over the block's modules (torch's routing and index_add), plus Qwen2-MoE's gated shared expert in
+    torch's ops."""
+    out = MoE.forward(block, x)
+    if isinstance(block, SharedExpertMoE):
+        out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    return out
+
+
 # softmax top-k (Mixtral: fp32 weights; Qwen2-MoE: a gated shared expert; OLMoE: not renormalised; Hunyuan: shared
 # experts), GLM-4.5's grouped sigmoid (fp32 router, 4 experts in 2 groups, 1 eligible) and ERNIE 4.5's corrected
 # softmax (fp32 router)
@@ -60,7 +70,7 @@ def test_the_c_call_computes_what_moe_forward_computes(family_folder, name, weig
     torch.manual_seed(tokens)
     for block in blocks:
         x = torch.randn(tokens, block.expert_calls.hidden).to(torch.bfloat16)
-        got, want = CpuMoE.forward(block, x), MoE.forward(block, x)  # (Qwen2-MoE's shared expert added after both)
+        got, want = block(x), reference(block, x)
         if not block.expert_calls.takes(x):  # W4 above the GEMV's rows without a larger kernel: MoE.forward itself
             assert weights == "w4" and tokens > gemv.MAX_ROWS and torch.equal(got, want)
             continue
