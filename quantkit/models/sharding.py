@@ -6,7 +6,11 @@ split) and wraps the layers whose outputs the workers combine:
                              KV heads they read (num_kv_heads < N: the one head, replicated on N / num_kv_heads
                              ranks), of its intermediate channels [r I/N, (r+1) I/N); biases with them
   o_proj, down_proj          RowParallelLinear over the matching input columns: all_reduce(x_r @ W_r^T) + bias,
-                             the bias added once, after the reduce
+                             the bias added once, after the reduce (a gate-less MLP's up_proj is column-parallel)
+  MoE blocks                 every expert's and the shared experts' MLPs split as above, but their down_proj a bare
+                             part: the block's output (routed sum plus shared, each a sum over the ranks' channel
+                             shares) is all-reduced once, by AllReduced around the block; the router is replicated,
+                             so every rank routes every token alike
   embed_tokens               VocabParallelEmbedding: rows [r V/N, (r+1) V/N); ids elsewhere look up 0; all_reduce
   lm_head                    VocabParallelHead: the same rows (tied: the same tensor); logits gathered to rank 0
 Quantized layers are sliced by quantkit/quant/shard.py (output channels; whole groups of input channels, act-order
@@ -28,7 +32,8 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.models.attention import Attention
-from quantkit.models.layers import GatedMLP
+from quantkit.models.layers import GatedMLP, UpDownMLP
+from quantkit.models.moe import MoE
 from quantkit.models.tensor_parallel import check_tensor_parallel, kv_heads_per_device
 from quantkit.quant import shard as qshard
 from quantkit.quant.qlinear import QLinear
@@ -48,9 +53,6 @@ class Collectives(Protocol):
 def check_shardable(cfg, world: int, group_size: Optional[int] = None) -> None:
     """QuantkitError, before any weight loads, for a model that `world` workers cannot split (cfg: ModelConfig;
     group_size: the checkpoint's quantization group size, or None)."""
-    if world > 1 and cfg.num_experts:
-        raise QuantkitError(f"tensor-parallel serving does not shard MoE experts yet ({cfg.model_type}, "
-                            f"{cfg.num_experts} experts): serve it with tensor_parallel_size 1")
     check_tensor_parallel(cfg, world, group_size)
 
 
@@ -66,6 +68,18 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.comm.all_reduce(self.part(x))
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class AllReduced(nn.Module):
+    """A MoE block whose experts' down projections are bare row-parallel parts: x -> all_reduce(block(x))."""
+
+    def __init__(self, block: nn.Module, comm: Collectives):
+        super().__init__()
+        self.block = block
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.block(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -127,29 +141,55 @@ def take_columns(layer: nn.Module, lo: int, hi: int, name: str) -> tuple[nn.Modu
     raise QuantkitError(f"{name}: a {type(layer).__name__} cannot be split for tensor parallelism")
 
 
+def _replace(module: nn.Module, role: str, new: nn.Module) -> None:
+    """Set the child that module.<role> names (MLP's gate_proj, or Mixtral's w1 behind its gate_proj property)."""
+    current = getattr(module, role)
+    setattr(module, next(name for name, child in module.named_children() if child is current), new)
+
+
+def shard_mlp(mlp: nn.Module, r: int, n: int, where: str, comm: Optional[Collectives]) -> None:
+    """Keep rank r's share of a gated or gate-less MLP's intermediate channels: gate/up (up) column-parallel, down
+    a RowParallelLinear over comm, or (comm None: a MoE block's MLP, reduced with the block) its bare part."""
+    width = mlp.down_proj.in_features
+    if width % n:
+        raise QuantkitError(f"{where}: {width} intermediate channels do not split over {n} devices")
+    share = width // n
+    for role in ("gate_proj", "up_proj") if isinstance(mlp, GatedMLP) else ("up_proj",):
+        _replace(mlp, role, take_rows(getattr(mlp, role), r * share, share, f"{where}.{role}"))
+    part, bias = take_columns(mlp.down_proj, r * share, (r + 1) * share, f"{where}.down_proj")
+    if comm is None and bias is not None:
+        raise QuantkitError(f"{where}.down_proj: a biased expert cannot be split for tensor parallelism")
+    _replace(mlp, "down_proj", part if comm is None else RowParallelLinear(part, bias, comm))
+
+
 def shard_model(model: nn.Module, comm: Collectives) -> None:
-    """Keep rank comm.rank's share of `model` (a CausalLM of a dense family, weights loaded) in place; refuses what
-    check_shardable refuses."""
+    """Keep rank comm.rank's share of `model` (a CausalLM, weights loaded) in place; refuses what check_shardable
+    refuses."""
     cfg, n, r = model.config, comm.world, comm.rank
     check_shardable(cfg, n)
     d, heads, kv = cfg.head_dim, cfg.num_attention_heads // n, kv_heads_per_device(cfg.num_key_value_heads, n)
     first_kv = r * cfg.num_key_value_heads // n  # the KV head of rank r's first query head
-    inter = cfg.intermediate_size // n
     for i, layer in enumerate(model.model.layers):
-        attn, mlp, where = layer.self_attn, layer.ffn, f"model.layers.{i}"
-        if type(attn) is not Attention or not isinstance(mlp, GatedMLP):
-            raise QuantkitError(f"{where}: tensor parallelism splits attention and gated-MLP blocks only, not "
-                                f"{type(attn).__name__} / {type(mlp).__name__}")
+        attn, ffn, where = layer.self_attn, layer.ffn, f"model.layers.{i}"
+        if type(attn) is not Attention or not isinstance(ffn, (GatedMLP, UpDownMLP, MoE)):
+            raise QuantkitError(f"{where}: tensor parallelism splits attention, MLP and MoE blocks only, not "
+                                f"{type(attn).__name__} / {type(ffn).__name__}")
         attn.q_proj = take_rows(attn.q_proj, r * heads * d, heads * d, f"{where}.self_attn.q_proj")
         attn.k_proj = take_rows(attn.k_proj, first_kv * d, kv * d, f"{where}.self_attn.k_proj")
         attn.v_proj = take_rows(attn.v_proj, first_kv * d, kv * d, f"{where}.self_attn.v_proj")
         attn.o_proj = RowParallelLinear(*take_columns(attn.o_proj, r * heads * d, (r + 1) * heads * d,
                                                       f"{where}.self_attn.o_proj"), comm)
         attn.n_heads, attn.n_kv = heads, kv
-        mlp.gate_proj = take_rows(mlp.gate_proj, r * inter, inter, f"{where}.mlp.gate_proj")
-        mlp.up_proj = take_rows(mlp.up_proj, r * inter, inter, f"{where}.mlp.up_proj")
-        mlp.down_proj = RowParallelLinear(*take_columns(mlp.down_proj, r * inter, (r + 1) * inter,
-                                                        f"{where}.mlp.down_proj"), comm)
+        where = f"{where}.{layer.ffn_name}"
+        if not isinstance(ffn, MoE):
+            shard_mlp(ffn, r, n, where, comm)
+            continue
+        for e, expert in enumerate(ffn.experts):
+            shard_mlp(expert, r, n, f"{where}.experts.{e}", None)
+        for name in ("shared_experts", "shared_expert"):  # GLM-4.5's, ERNIE's, Hunyuan's; Qwen2-MoE's
+            if getattr(ffn, name, None) is not None:
+                shard_mlp(getattr(ffn, name), r, n, f"{where}.{name}", None)
+        setattr(layer, layer.ffn_name, AllReduced(ffn, comm))
     vocab = cfg.vocab_size // n
     embed = VocabParallelEmbedding(model.model.embed_tokens.weight.detach()[r * vocab : (r + 1) * vocab].clone(),
                                    r * vocab, comm)
@@ -161,5 +201,7 @@ def shard_model(model: nn.Module, comm: Collectives) -> None:
         head = take_rows(model.lm_head, r * vocab, vocab, "lm_head")
     model.model.embed_tokens = embed
     model.lm_head = VocabParallelHead(head, comm)
-    model.config = dataclasses.replace(cfg, num_attention_heads=heads, num_key_value_heads=kv,
-                                       intermediate_size=inter)
+    model.config = dataclasses.replace(
+        cfg, num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=cfg.intermediate_size // n,
+        moe_intermediate_size=cfg.moe_intermediate_size // n,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // n)

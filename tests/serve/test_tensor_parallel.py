@@ -12,8 +12,11 @@ references that do not shard.
    act-order, AWQ W4) and `--tensor-parallel-size 3` on the bundled SmolLM2-135M (9 heads, 3 KV heads): fp32
    greedy tokens identical to one rank (quantkit.LLM) for 16 real prompts (8 AlpacaEval chats, 8 GSM8K questions),
    logprobs within LOGPROB_TOL; quantkit.LLM(..., tensor_parallel_size=2) the same.
-4. Refusals before any weight loads (9 heads over 2 ranks, groups that do not divide a shard, MoE, a loaded
-   model); a worker SIGKILLed mid-stream ends the stream with an error event and the server exits 1.
+   The same group splits MoE blocks (every expert's and shared expert's channels, the block reduced once) and the
+   MLPs without gate: Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, ERNIE 4.5 MoE, Hunyuan MoE, StarCoder2 and Nemotron
+   give transformers' logits; quantkit.LLM(tensor_parallel_size=2) serves Qwen2-MoE as one rank does.
+4. Refusals before any weight loads (9 heads over 2 ranks, groups that do not divide a shard (also an expert's), a
+   loaded model); a worker SIGKILLed mid-stream ends the stream with an error event and the server exits 1.
 The measured differences are printed (pytest -s shows them).
 """
 
@@ -182,6 +185,34 @@ def two_ranks(tmp_path_factory, bundled_dir) -> dict[int, tuple[Path, dict]]:
     return {kv: (folder, results[str(folder)]) for kv, folder in folders.items()}
 
 
+SHARDED_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "hunyuan_moe", "starcoder2",
+                    "nemotron"]  # MoE blocks (shared experts: plain, gated, GLM's dense first layer), gate-less MLPs
+
+
+@pytest.fixture(scope="module")
+def two_rank_families(tmp_path_factory, family_folder) -> dict[str, dict]:
+    """tests/quantkit/families.py's models of SHARDED_FAMILIES -> rank 0's results from tests/serve/tp_ranks.py."""
+    folders = {name: str(family_folder(name)) for name in SHARDED_FAMILIES}
+    out = tmp_path_factory.mktemp("gloo-families") / "rank0.pt"
+    torch.multiprocessing.spawn(run_rank, args=(free_port(), list(folders.values()), str(out)), nprocs=2)
+    results = torch.load(out)
+    return {name: results[folder] for name, folder in folders.items()}
+
+
+@pytest.mark.parametrize("name", SHARDED_FAMILIES)
+def test_two_gloo_ranks_split_moe_and_gate_less_blocks_as_transformers_computes_them(name, family_folder,
+                                                                                    two_rank_families, one_thread):
+    """Every expert's and shared expert's channels split over the ranks, the block's output reduced once."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.inference_mode():
+        model = AutoModelForCausalLM.from_pretrained(family_folder(name), dtype=torch.float32).eval()
+        expected = model(dense_ids(model.config.vocab_size)).logits
+    got = two_rank_families[name]["logits"]
+    assert (got - expected).abs().max().item() < 1e-4, name
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_two_gloo_ranks_give_transformers_logits_and_half_the_kv_bytes(kv_heads, two_ranks, one_thread):
     from transformers import LlamaForCausalLM
@@ -317,6 +348,24 @@ def test_llm_tp2_greedy_and_embeddings_equal_one_rank(folders, prompts):
     torch.testing.assert_close(vector, expected_vector, rtol=0, atol=1e-5)
 
 
+def test_llm_tp2_greedy_of_a_moe_model_equals_one_rank(family_folder):
+    """Qwen2-MoE (a dense layer, MoE blocks with a gated shared expert) through the paged engine on two ranks."""
+    from quantkit.serve.llm import LLM
+
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,), generator=rng).tolist() for n in (5, 17, 30)]
+    options = dict(dtype="float32", kv_cache_memory=64 << 20, max_model_len=256)
+    expected = greedy(LLM(str(family_folder("qwen2_moe")), **options), prompts)
+    llm = LLM(str(family_folder("qwen2_moe")), **options, tensor_parallel_size=2)
+    try:
+        got = greedy(llm, prompts)
+    finally:
+        llm.shutdown()
+    for (ids, tops), (ref_ids, ref_tops) in zip(got, expected):
+        assert ids == ref_ids
+        assert max(abs(top[t] - ref[t]) for top, ref in zip(tops, ref_tops) for t in ref) < LOGPROB_TOL
+
+
 # ---- 4. refusals and a dead worker ----------------------------------------------------------------------------
 
 
@@ -335,9 +384,11 @@ def test_what_cannot_be_split_is_refused_before_weights_load(bundled):
     with pytest.raises(QuantkitError, match=r"intermediate_size=512 / 2 = 256 columns per device is not a "
                                             r"multiple of group size 96"):
         check_shardable(ModelConfig.from_hf({**TINY, "num_key_value_heads": 2, "model_type": "llama"}), 2, 96)
-    moe = ModelConfig.from_hf(tiny_hf_config("mixtral", num_local_experts=4, num_experts_per_tok=2))
-    with pytest.raises(QuantkitError, match="does not shard MoE experts yet"):
-        check_shardable(moe, 2)
+    moe = ModelConfig.from_hf(tiny_hf_config("qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=48))
+    with pytest.raises(QuantkitError, match=r"moe_intermediate_size=48 / 2 = 24 columns per device is not a multiple "
+                                            r"of group size 32"):
+        check_shardable(moe, 2, 32)
     with pytest.raises(QuantkitError, match="needs the model's path or hub id"):
         LLM(bundled, tensor_parallel_size=2)
     for bad in ({"tensor_parallel_size": 0}, {"tensor_parallel_size": 2, "speculative_method": "ngram"}):

@@ -9,8 +9,8 @@ KV_BUDGET = 8 << 20
 MAX_MODEL_LEN = 256
 
 
-def dense_ids() -> torch.Tensor:
-    return torch.randint(0, 1024, (2, 24), generator=torch.Generator().manual_seed(7))
+def dense_ids(vocab: int = 1024) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(7))
 
 
 def run_rank(rank: int, port: int, folders: list[str], out: str) -> None:
@@ -28,7 +28,7 @@ def run_rank(rank: int, port: int, folders: list[str], out: str) -> None:
         model = load_model(folder, dtype=torch.float32).model
         shard_model(model, tp.comm)
         with torch.inference_mode():
-            logits = model(dense_ids())
+            logits = model(dense_ids(model.config.vocab_size))
         runner = TPModelRunner(model, EngineConfig(kv_cache_memory=KV_BUDGET, dtype="float32", device="cpu"), "cpu",
                                torch.float32, MAX_MODEL_LEN, tp)
         results[folder] = {"logits": logits, "blocks": runner.num_blocks, "pool_bytes": runner.kv_pool_bytes}
