@@ -12,8 +12,9 @@ rule TP serving applies); memory, KV capacity and the roofline are one card's, t
 KV: the engine's own functions (quantkit.serve.capacity), so plan and `quantkit serve` agree for the same budget.
 Roofline decode step at batch b, context c, on one card: time = max(bytes / bandwidth, flops / peak) with
 bytes = weights + b * c * KV bytes per token, flops = b * (2 * matmul params + 4 * layers * q_heads * head_dim * c);
-matmul params count an MoE expert's weights at top_k / experts (the share of tokens routed to it), while the bytes
-count every expert each step (an upper bound at small batches, where some experts see no token).
+matmul params count an MoE expert's weights at top_k / experts (the share of tokens routed to it), and the weight
+bytes count the routed experts at the share a step of b tokens routes to under uniform routing (models/moe.py's
+routed_share: top_k of them at b = 1, nearly all at large b).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from quantkit.errors import QuantkitError
 from quantkit.models import CausalLM, ModelConfig
+from quantkit.models.moe import routed_share
 from quantkit.models.registry import arch_spec
 from quantkit.models.tensor_parallel import check_tensor_parallel, device_shape, kv_heads_per_device
 from quantkit.serve.capacity import kv_bytes_per_token, num_kv_blocks
@@ -117,6 +119,11 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _is_expert(name: str) -> bool:
+    """Whether a parameter is a routed MoE expert's (not a shared expert's: those have no `.experts.`)."""
+    return ".experts." in name
+
+
 def model_params(cfg: ModelConfig) -> list[Param]:
     """Every parameter and persistent buffer (a router's score correction bias) of the model quantkit builds for cfg
     (on the meta device: no memory, no init), a tied lm_head once (as the embedding, which then also multiplies
@@ -132,7 +139,7 @@ def model_params(cfg: ModelConfig) -> list[Param]:
     expert_share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
     buffers = [(name, b) for name, b in model.state_dict(keep_vars=True).items() if not isinstance(b, nn.Parameter)]
     return [Param(name, tuple(p.shape), name in quantized,
-                  (expert_share if ".experts." in name else 1.0) if name in matmuls else 0.0)
+                  (expert_share if _is_expert(name) else 1.0) if name in matmuls else 0.0)
             for name, p in [*model.named_parameters(), *buffers]]
 
 
@@ -146,6 +153,7 @@ class WeightBytes:
     stored_bytes: int  # codes + group scales/zeros + the rest at fp16 (what a checkpoint holds)
     device_bytes: int  # what one of the tensor-parallel cards holds (= stored_bytes on one card)
     device_matmul_params: int  # weights one card multiplies per generated token (sum of shape x matmul_share)
+    device_expert_bytes: int  # of device_bytes, the routed MoE experts' (0 for a dense model)
 
 
 def _stored_bytes(shapes: list[tuple[tuple[int, ...], bool]], bits: int, group_size: int) -> int:
@@ -181,7 +189,18 @@ def weight_bytes(cfg: ModelConfig, quant: str = "fp16", group_size: int = 128, t
         stored_bytes=_stored_bytes([(p.shape, p.quantized) for p in params], bits, group_size),
         device_bytes=_stored_bytes([(shape, p.quantized) for shape, p in zip(on_device, params)], bits, group_size),
         device_matmul_params=round(sum(math.prod(shape) * p.matmul_share for shape, p in zip(on_device, params))),
+        device_expert_bytes=_stored_bytes([(shape, p.quantized) for shape, p in zip(on_device, params)
+                                           if _is_expert(p.name)], bits, group_size),
     )
+
+
+def step_weight_bytes(w: WeightBytes, cfg: ModelConfig, batch: int) -> int:
+    """Bytes of weights one card reads in a decode step of `batch` tokens: device_bytes, the routed experts at
+    routed_share."""
+    if not cfg.num_experts:
+        return w.device_bytes
+    unread = 1 - routed_share(cfg.num_experts_per_tok, cfg.num_experts, batch)
+    return w.device_bytes - round(w.device_expert_bytes * unread)
 
 
 def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int = 2,
@@ -304,7 +323,8 @@ def make_plan(
     rows = []
     attention_width = cfg.num_hidden_layers * cfg.num_attention_heads // tp * cfg.head_dim
     for b in batch_sizes(min(limit, max_num_seqs)):
-        step = roofline_step_s(w.device_bytes, kv_tok, w.device_matmul_params, attention_width, gpu, b, context)
+        step = roofline_step_s(step_weight_bytes(w, cfg, b), kv_tok, w.device_matmul_params, attention_width, gpu, b,
+                               context)
         row = {"batch": b, "step_ms": step * 1000, "per_user_tps": 1 / step, "aggregate_tps": b / step}
         if price_per_hour is not None:
             row["usd_per_million_tokens"] = cost_per_million(price_per_hour * tp, b / step)

@@ -13,7 +13,8 @@ warm-up steps run, then `steps` decode steps are timed. Per step (means over the
   host     wall - kernels: Python, scheduling, sampling, the small torch ops and the launchers' own checks; on
            CUDA, the time the GPU waited for the host (the host's CPU time says nothing there: a synchronising
            host spins, so its CPU time equals the wall time whoever sets the pace)
-  floor    the bytes one step must read (the weights the kernels stream, model.stream_bytes below, plus the KV
+  floor    the bytes one step must read (the weights the kernels stream, stream_bytes below: a MoE block's experts
+           at the share the step's tokens route to under uniform routing, exactly top_k at batch 1; plus the KV
            cache of the batch's contexts) over the bandwidth of a large tensor copy (read + written bytes / time)
 The CPU timing wrappers cost ~1 us per kernel call, included in wall and host. Under the table: the bandwidth, and
 per batch size the kernels taking the most time per step (calls per step in brackets; C functions by their C name).
@@ -121,10 +122,11 @@ def busy_seconds(spans: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
-def stream_bytes(model: nn.Module) -> int:
-    """Bytes of weights a decode step reads: each linear's kernel weight (PackedLinear's packed copy, QLinear's
-    backend copies in use, else its buffers; plain Linear weights) and every other parameter except embedding
-    tables (a step reads only its tokens' rows); storages shared by several modules count once."""
+def _storages(module: nn.Module) -> dict[int, int]:
+    """{storage address: bytes} of the weights `module`'s decode step reads: each linear's kernel weight
+    (PackedLinear's packed copy, QLinear's backend copies in use, else its buffers; plain Linear weights) and every
+    other parameter except embedding tables (a step reads only its tokens' rows); a storage shared by several
+    modules once."""
     from quantkit.quant.qlinear import QLinear
     from quantkit.serve.cpu_linear import PackedLinear
 
@@ -139,21 +141,34 @@ def stream_bytes(model: nn.Module) -> int:
         elif dataclasses.is_dataclass(obj):  # the Triton kernels' PackedWeight
             add([getattr(obj, f.name) for f in dataclasses.fields(obj)])
 
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     linear_weights = set()
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            add([module.vnni if module.vnni is not None else module.onednn, module.bias])
-        elif isinstance(module, QLinear):
-            used = [v for v in module._prepared.values() if v is not None]
-            add(used if used else list(module.buffers()))
-        elif isinstance(module, nn.Linear):
-            add([module.weight, module.bias])
-            linear_weights.add(id(module.weight))
-    for p in model.parameters():
+    for child in module.modules():
+        if isinstance(child, PackedLinear):
+            add([child.vnni if child.vnni is not None else child.onednn, child.bias])
+        elif isinstance(child, QLinear):
+            used = [v for v in child._prepared.values() if v is not None]
+            add(used if used else list(child.buffers()))
+        elif isinstance(child, nn.Linear):
+            add([child.weight, child.bias])
+            linear_weights.add(id(child.weight))
+    for p in module.parameters():
         if id(p) not in embeddings or id(p) in linear_weights:
             add(p)
-    return sum(seen.values())
+    return seen
+
+
+def stream_bytes(model: nn.Module, tokens: int = 1) -> int:
+    """Bytes of weights a decode step of `tokens` tokens reads (_storages), each MoE block's routed experts counted
+    at the share of them such a step routes to under uniform routing, moe.routed_share (exactly top_k at 1 token)."""
+    from quantkit.models.moe import MoE, routed_share
+
+    total = sum(_storages(model).values())
+    for block in model.modules():
+        if isinstance(block, MoE):
+            experts = sum(_storages(block.experts).values())
+            total -= round(experts * (1 - routed_share(block.top_k, len(block.experts), tokens)))
+    return total
 
 
 def copy_bandwidth(device: torch.device = torch.device("cpu"), nbytes: int = 256 << 20, repeats: int = 3) -> float:
@@ -214,9 +229,9 @@ def profile_steps(engine: Any, batches: list[int], prompt_len: int = 128, steps:
                   bandwidth: float | None = None) -> list[dict]:
     """One row per batch size (module docstring), with the floor over `bandwidth` (copy_bandwidth() when None)."""
     rows = [profile_batch(engine, b, prompt_len, steps) for b in batches]
-    weights = stream_bytes(engine.runner.model)  # after the forwards: QLinear builds its kernel copies lazily
     bandwidth = bandwidth or copy_bandwidth(engine.runner.device)
-    for row in rows:
+    for row in rows:  # (after the forwards: QLinear builds its kernel copies lazily)
+        weights = stream_bytes(engine.runner.model, row["batch"])
         row.update(weight_bytes=weights, bandwidth=bandwidth, floor_s=(weights + row["kv_bytes"]) / bandwidth)
     return rows
 

@@ -67,6 +67,12 @@ class MoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
+def routed_share(top_k: int, experts: int, tokens: int) -> float:
+    """The expected share of a block's experts that `tokens` tokens route to when each picks top_k of them
+    uniformly: 1 - (1 - top_k / experts) ** tokens (exactly top_k / experts for one token)."""
+    return 1.0 - (1.0 - top_k / experts) ** tokens
+
+
 class BiasedRouter(nn.Linear):
     """The router of GLM-4.5 and ERNIE 4.5 MoE: logits in fp32 (x and the weight widened, as transformers computes
     them) and the e_score_correction_bias (E values, stored [E], or ERNIE's [1, E]) that shifts the scores experts

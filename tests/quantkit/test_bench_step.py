@@ -83,3 +83,20 @@ def test_timer_restores_what_it_wrapped():
 def test_cli_refuses_bad_batch_sizes():
     result = CliRunner().invoke(_typer_app, ["bench", "step", "--batch", "0,x"])
     assert result.exit_code != 0 and "--batch" in str(result.exception or result.output)
+
+
+def test_a_moe_block_counts_the_experts_a_step_routes_to(family_folder):
+    """Qwen3-MoE, 4 experts, top-2: one token reads 2 of each block's 4 experts; 3 tokens, uniformly routed, an
+    expected 1 - (1/2)^3 of them."""
+    from quantkit.models.loader import load_model
+    from quantkit.models.moe import MoE
+
+    model = load_model(str(family_folder("qwen3_moe")), dtype=torch.float32).model
+    head = model.lm_head.weight.data_ptr()
+    every = {p.data_ptr(): p.nbytes for name, p in model.named_parameters()
+             if "embed_tokens" not in name or p.data_ptr() == head}
+    experts = [sum(p.nbytes for p in block.experts.parameters()) for block in model.modules() if isinstance(block, MoE)]
+    assert experts and all(block.top_k == 2 and len(block.experts) == 4
+                           for block in model.modules() if isinstance(block, MoE))
+    assert stream_bytes(model) == sum(every.values()) - sum(experts) // 2
+    assert stream_bytes(model, 3) == sum(every.values()) - sum(e // 8 for e in experts)

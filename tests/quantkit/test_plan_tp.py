@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from quantkit.benchmark.plan import GPUS, make_plan, model_params, weight_bytes
+from quantkit.benchmark.plan import GPUS, make_plan, model_params, step_weight_bytes, weight_bytes
 from quantkit.errors import QuantkitError
 from quantkit.models import ModelConfig
 from quantkit.models.family import family_of
@@ -153,6 +153,14 @@ def test_mixtral_8x7b_counts_every_expert_and_shards_them():
     # routers and norms replicated: a card holds half of all else plus them whole
     replicated = layers * (8 * h + 2 * h) + h
     assert w.device_bytes == (w.stored_bytes - 2 * replicated) // 2 + 2 * replicated
+    # a step reads the experts its tokens route to: W4 g128 experts (codes at 4 bits, an fp16 scale and a 4-bit
+    # zero per 128 inputs), halved over the cards; 2 of 8 at one token, 1 - (3/4)^4 of them at four
+    fp16 = ModelConfig.from_hf(MIXTRAL_8X7B)
+    weights, groups = 3 * inter * h, 3 * inter * h // 128
+    per_expert = weights // 2 + groups * 2 + groups * 4 // 8
+    assert w.device_expert_bytes == layers * 8 * per_expert // 2
+    assert step_weight_bytes(w, fp16, 1) == w.device_bytes - w.device_expert_bytes * 6 // 8
+    assert step_weight_bytes(w, fp16, 4) == w.device_bytes - round(w.device_expert_bytes * (3 / 4) ** 4)
 
 
 def test_refuses_what_cannot_be_split():
