@@ -4,9 +4,9 @@ one FusedLinear, serve/prepare.py) on the C kernels runs its routing and routed 
 call instead of a Python loop over the active experts, and the decode step plans record that call
 (serve/cpu_step_plans.py); shared experts (an MLP added after) stay modules.
 
-The block keeps its identity, router, parameters and children; only its class changes (to a subclass whose forward
+The block keeps its identity, router, parameters and children; only its class changes (to a subclass whose routed()
 calls moe_forward) and it gains `expert_calls` (not in the state dict). A block of experts a kernel does not take
-(oneDNN's bf16, act-order W4, a bias) or a step of more tokens than the kernels take (max_rows) keeps MoE.forward.
+(oneDNN's bf16, act-order W4, a bias) or a step of more tokens than the kernels take (max_rows) keeps MoE.routed.
 """
 
 from __future__ import annotations
@@ -32,19 +32,17 @@ _ROW_LIMITS = {"qgemv": MAX_ROWS, "qgemm": _FUSED_MAX_M}  # the kernels of a row
 
 
 class CpuMoE(MoE):
-    """MoE whose routing and routed experts run as one moe_forward call (bf16, up to expert_calls.max_rows tokens):
-    the routing moe.c computes is expert_calls.routing, which routing() takes from the block's class."""
+    """MoE whose routed() runs as one moe_forward call (bf16, up to expert_calls.max_rows tokens): the routing
+    moe.c computes is expert_calls.routing, which routing() takes from the block's class."""
 
     expert_calls: cpu_moe.ExpertCalls
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [*lead, H] -> [*lead, H], as MoE.forward."""
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """x [*lead, H] -> [*lead, H], as MoE.routed (MoE.forward adds the shared experts)."""
         flat = x.reshape(-1, x.shape[-1])
         if not self.expert_calls.takes(flat):
-            return super().forward(x)
-        out = cpu_moe.moe_forward(flat.contiguous(), self.expert_calls)
-        out = out.view(x.shape)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+            return super().routed(x)
+        return cpu_moe.moe_forward(flat.contiguous(), self.expert_calls).view(x.shape)
 
 
 class CpuSharedExpertMoE(SharedExpertMoE, CpuMoE):
@@ -56,19 +54,18 @@ class CpuSharedExpertMoE(SharedExpertMoE, CpuMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if not self.expert_calls.takes(flat):
-            return SharedExpertMoE.forward(self, x)  # (its super().forward: CpuMoE's, which passes it on to MoE's)
+            return super().forward(x)  # SharedExpertMoE's in torch ops (routed(): MoE.routed there)
         flat = flat.contiguous()
-        routed = CpuMoE.forward(self, flat)
         shared = self.shared_expert(flat).contiguous()
-        return cpu_moe.sigmoid_gated_add(routed, shared, flat, self.shared_gate).view(x.shape)
+        return cpu_moe.sigmoid_gated_add(self.routed(flat), shared, flat, self.shared_gate).view(x.shape)
 
 
 class CpuGroupedTopKMoE(GroupedTopKMoE, CpuMoE):
-    """GLM-4.5's block: GroupedTopKMoE's select (for MoE.forward's steps), CpuMoE's forward."""
+    """GLM-4.5's block: GroupedTopKMoE's select (for MoE.routed's steps), CpuMoE's routed."""
 
 
 class CpuCorrectedSoftmaxMoE(CorrectedSoftmaxMoE, CpuMoE):
-    """ERNIE 4.5's block: CorrectedSoftmaxMoE's select (for MoE.forward's steps), CpuMoE's forward."""
+    """ERNIE 4.5's block: CorrectedSoftmaxMoE's select (for MoE.routed's steps), CpuMoE's routed."""
 
 
 CPU_MOE = {MoE: CpuMoE, SharedExpertMoE: CpuSharedExpertMoE, GroupedTopKMoE: CpuGroupedTopKMoE,
@@ -136,15 +133,19 @@ def expert_calls(moe: MoE, router: torch.Tensor) -> Optional[cpu_moe.ExpertCalls
         return None  # gate_up and down on kernels of different limits: not a case prepare makes
     limit = limits.pop()
     large = _recorded(experts, limit + 1, hidden, inter) if limit else None
-    max_rows = None if not limit else limit if large is None else _ROW_LIMITS.get(KINDS[large.rows[0][0]]) or None
-    table = [small_row + [limit, large.rows[i][1] if large is not None else 0] for i, small_row in
-             enumerate(small.rows)]
+    if not limit:
+        max_rows = None  # the small kernel takes any row count
+    elif large is None:
+        max_rows = limit  # no larger kernel here
+    else:
+        max_rows = _ROW_LIMITS.get(KINDS[large.rows[0][0]])  # None: any
+    table = [row + [limit, large.rows[i][1] if large is not None else 0] for i, row in enumerate(small.rows)]
     calls = torch.tensor(table, dtype=torch.int64).view(len(experts), 2, cpu_moe.CALL_WORDS)
     recordings = [p for p in (small, large) if p is not None]
     try:
         return cpu_moe.ExpertCalls(router, routing(moe), calls, hidden, inter, max_rows, recordings)
     except ValueError as e:  # a routing or router moe.c does not take
-        log.info("MoE block of %d experts keeps MoE.forward: %s", len(experts), e)
+        log.info("MoE block of %d experts keeps MoE.routed: %s", len(experts), e)
         return None
 
 

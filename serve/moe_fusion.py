@@ -35,15 +35,15 @@ class FusedMoE(MoE):
     w_gate_up: ExpertWeights  # [E, 2I, H]: expert e's gate rows [0, I), up rows [I, 2I) (float or PackedExperts)
     w_down: ExpertWeights  # [E, H, I]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [*lead, H] -> [*lead, H], as MoE.forward."""
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """x [*lead, H] -> [*lead, H], as MoE.routed (MoE.forward adds the shared experts)."""
         weights, chosen = self.select(self.gate(x))
         out = fused_moe(x.reshape(-1, x.shape[-1]), self.w_gate_up, self.w_down, weights, chosen)
         return out.view(x.shape)
 
 
 class FusedSharedExpertMoE(SharedExpertMoE, FusedMoE):
-    """Qwen2-MoE: SharedExpertMoE.forward adds the shared expert to super().forward, which is FusedMoE's here."""
+    """Qwen2-MoE: SharedExpertMoE.forward adds the shared expert to MoE.forward's, whose routed() is FusedMoE's."""
 
 
 FUSED = {MoE: FusedMoE, SharedExpertMoE: FusedSharedExpertMoE}  # the MoE classes whose forward is known

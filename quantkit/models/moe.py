@@ -55,7 +55,13 @@ class MoE(nn.Module):
             start += n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [*lead, H] -> [*lead, H]: sum over each token's k experts of weight * expert(x)."""
+        """x [*lead, H] -> [*lead, H]: routed(x) [+ shared_experts(x)]."""
+        out = self.routed(x)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """x [*lead, H] -> [*lead, H]: sum over each token's k experts of weight * expert(x) (a serving runner may
+        override it with fused kernels: serve/moe_fusion.py, serve/cpu_moe.py)."""
         weights, chosen = self.select(self.gate(x), x.dtype)
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
         out = torch.zeros_like(flat)
@@ -63,8 +69,7 @@ class MoE(nn.Module):
         for e, tokens, slots in self.groups(chosen):
             y = self.experts[e](flat.index_select(0, tokens))  # [n, H]
             out.index_add_(0, tokens, (y * weights[slots, None]).to(out.dtype))
-        out = out.view(x.shape)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return out.view(x.shape)
 
 
 def routed_share(top_k: int, experts: int, tokens: int) -> float:

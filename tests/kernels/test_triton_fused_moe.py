@@ -3,7 +3,7 @@
 Runs under TRITON_INTERPRET=1 on CPU (tests/kernels/triton_env.py). The alignment is compared slot for slot with a
 plain-Python construction; fused_moe with its torch reference fused_moe_ref over routings with a starved expert,
 every token on one pair of experts, a decode step (T=1) and T not a multiple of BLOCK_M; and the fused block with
-MoE.forward of real quantkit MoE blocks (tiny random Mixtral and Qwen2-MoE from transformers,
+MoE.forward of real quantkit MoE blocks (tiny random Mixtral, Qwen2-MoE and Hunyuan MoE from transformers,
 tests/quantkit/families.py, loaded through quantkit's load_state), fp32 within 1e-5, bf16/fp16 within TOL.
 Packed experts (W4 g16 act-order, W8 per-channel): the reference's weights equal scheme.dequantize of each QTensor,
 the kernel equals the reference, and a Mixtral block with QLinear experts equals its own module forward.
@@ -193,6 +193,8 @@ FAMILY_CONFIGS = {  # small enough for the interpreter: E=8, I=48 (Mixtral) / E=
     "mixtral": ("mixtral", dict(num_local_experts=E, num_experts_per_tok=K, intermediate_size=I, num_hidden_layers=1)),
     "qwen2_moe": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=K, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=64, num_hidden_layers=1)),
+    "hunyuan_moe": ("hunyuan_v1_moe", dict(num_experts=6, moe_topk=K, intermediate_size=32, head_dim=16,
+                                           num_hidden_layers=1)),  # plain MoE with shared experts (shared_mlp)
 }
 
 
@@ -224,7 +226,7 @@ def test_fused_block_equals_moe_forward_with_the_same_state(name, dtype, models)
     state = block.state_dict()
     params = dict(block.named_parameters())
     assert fuse_moe_block(block)
-    assert type(block) is {"mixtral": FusedMoE, "qwen2_moe": FusedSharedExpertMoE}[name]
+    assert type(block) is {"mixtral": FusedMoE, "qwen2_moe": FusedSharedExpertMoE, "hunyuan_moe": FusedMoE}[name]
     # same keys, values and Parameter objects; each expert weight a view into the stacked tensors
     assert block.state_dict().keys() == state.keys() and dict(block.named_parameters()) == params
     for key, value in block.state_dict().items():

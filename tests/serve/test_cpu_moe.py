@@ -1,6 +1,7 @@
-"""MoE blocks on CPU as one C call (serve/cpu_moe.py, kernels/cpu/moe.c): the block's output against MoE.forward
-(torch's softmax, top-k and index_add over the same expert modules) on tiny random models of each family, bf16 and
-W4 experts; which blocks take the call, the fallback above the kernels' rows, and routing ties."""
+"""MoE blocks on CPU as one C call (serve/cpu_moe.py, kernels/cpu/moe.c): the block's output against MoE.routed
+(torch's softmax, top-k and index_add over the same expert modules, the shared experts added) on tiny random models
+of each family, bf16 and W4 experts; which blocks take the call, the fallback above the kernels' rows, routing ties
+and a NaN token."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ needs_gemv = pytest.mark.skipif(not gemv.available(), reason="no AVX2 + FMA + F1
 def prepared(folder, weights: str, change=lambda model: None):
     """The model loaded in bf16 (W4: RTN experts, g32), changed by `change`, then prepared for serving on CPU as the
     default runner prepares it (batch-invariant: bf16 linears on a row-invariant kernel; oneDNN's, which moe.c
-    cannot call, keep MoE.forward)."""
+    cannot call, keep MoE.routed)."""
     model = load_model(str(folder), dtype=torch.bfloat16).model
     if weights == "w4":
         rtn_quantize_linears(model, QuantScheme(bits=4, group_size=32, sym=False))
@@ -42,9 +43,11 @@ def moe_blocks(model) -> list[MoE]:
 
 
 def reference(block: MoE, x: torch.Tensor) -> torch.Tensor:
-    """MoE.forward over the block's modules (torch's routing and index_add), plus Qwen2-MoE's gated shared expert in
-    torch's ops."""
-    out = MoE.forward(block, x)
+    """MoE.routed over the block's modules (torch's routing and index_add), plus the shared experts (Qwen2-MoE's gated)
+    in torch's ops."""
+    out = MoE.routed(block, x)
+    if block.shared_experts is not None:
+        out = out + block.shared_experts(x)
     if isinstance(block, SharedExpertMoE):
         out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
     return out
@@ -71,7 +74,7 @@ def test_the_c_call_computes_what_moe_forward_computes(family_folder, name, weig
     for block in blocks:
         x = torch.randn(tokens, block.expert_calls.hidden).to(torch.bfloat16)
         got, want = block(x), reference(block, x)
-        if not block.expert_calls.takes(x):  # W4 above the GEMV's rows without a larger kernel: MoE.forward itself
+        if not block.expert_calls.takes(x):  # W4 above the GEMV's rows without a larger kernel: MoE.routed itself
             assert weights == "w4" and tokens > gemv.MAX_ROWS and torch.equal(got, want)
             continue
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
