@@ -13,7 +13,8 @@ dtype plans run in; tests/serve/test_cpu_step_plans.py). Per layer, the block's 
   attn = paged attention(q)  o = linear(attn)  [o = norm(o)]
   [x = norm(o + resid -> resid)] or resid += o  act = act(gate(x)) * up(x) (or act(up(x)))  down = linear(act)
   [down = norm(down)]  resid += down
-(a parallel block's MLP reads the attention's x), then normed = norm(resid), logits = lm_head(normed). The norms
+(a parallel block's MLP reads the attention's x; a MoE block's MLP is one moe_forward call, serve/cpu_moe.py, plus
+its shared experts' MLP added after), then normed = norm(resid), logits = lm_head(normed). The norms
 are RMSNorm's C kernel, or add_fp32_norm for the ones rounded once from fp32 (Gemma's, OLMo's, the LayerNorms).
 A model or batch size the kernels do not cover (unsupported() and Plans.plan say which) runs eagerly, as before; an
 lm_head without a C kernel (oneDNN's, outside batch-invariant serving) runs after the replay, on the final-normed

@@ -1,4 +1,4 @@
-/* A sparse MoE block's routing and routed experts as one call (kernels/cpu/moe.py): what models/moe.py's MoE.forward
+/* A sparse MoE block's routing and routed experts as one call (kernels/cpu/moe.py): what models/moe.py's MoE.routed
    computes, without a Python call per expert. Eager serving and the decode step plans both call it, so their
    outputs are one computation's.
 
