@@ -8,8 +8,8 @@
 # 15 minutes of a lent device fit two calls after the machine's start (~110 s): `kernels engine8b` (~500 s: the
 # figures the open goals need first), then `tests` (a fresh machine spends ~170 s compiling before its results).
 #
-# Stages: tests (the Triton kernel tests, QLinear's CUDA test and a decode-graph capture and replay, compiled for
-# the GPU: TRITON_INTERPRET=0),
+# Stages: tests (the Triton kernel tests, QLinear's CUDA test, a decode-graph capture and replay and the fused MoE
+# block of Mixtral, Qwen2-MoE and Hunyuan MoE, compiled for the GPU: TRITON_INTERPRET=0),
 # kernels (bench/gpu_kernels.py --quick), engine (bench/engine_gpu.py on the SmolLM2-135M shape: attention check, bf16,
 # W4, W8; ENGINE_ARGS=--profile adds a cProfile of each), engine8b (the Llama-3-8B shape: bf16, W4, W8); both
 # print each engine's step table at batch 1, 8, 64 (GPU busy time, the host's remainder, the memory floor),
@@ -52,6 +52,7 @@ for arg in "$@"; do
                    tests/kernels/test_kernels_attention.py tests/kernels/test_triton_window_softcap.py \
                    tests/kernels/test_kernels_fused.py tests/kernels/test_triton_layer_ops.py \
                    tests/kernels/test_kernels_compile.py \
+                   "tests/kernels/test_triton_fused_moe.py::test_fused_block_equals_moe_forward_with_the_same_state" \
                    tests/kernels/test_kernels_qgemm.py ;;  # the slowest to compile last
         kernels) stage kernels "${KERNELS_LIMIT:-200}" python3 bench/gpu_kernels.py --quick --out "$OUT/kernels.json" ;;
         engine) stage engine "${ENGINE_LIMIT:-200}" python3 bench/engine_gpu.py --inputs "$INPUTS" \
