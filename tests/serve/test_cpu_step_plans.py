@@ -197,10 +197,11 @@ def engine_run(folder, weights, plans):
     return done, recorded
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_moe"])  # qwen3_moe: its MoE blocks one C call, eager or planned
 @pytest.mark.parametrize("weights", ["bf16", pytest.param("w4", marks=needs_gemv)])
-def test_engine_tokens_and_logprobs_are_the_same_with_plans_on_and_off(family_folder, weights):
-    on, recorded = engine_run(family_folder("qwen2"), weights, plans=True)
-    off, _ = engine_run(family_folder("qwen2"), weights, plans=False)
+def test_engine_tokens_and_logprobs_are_the_same_with_plans_on_and_off(family_folder, name, weights):
+    on, recorded = engine_run(family_folder(name), weights, plans=True)
+    off, _ = engine_run(family_folder(name), weights, plans=False)
     assert on == off and len(on) == 6
     assert {1, 2, 3, 4} <= set(recorded)  # the plain decode steps of the shrinking batch ran plans
 
