@@ -1,8 +1,8 @@
-"""Serving on CUDA: every MoE block whose experts are SwiGLU MLPs of bias-free nn.Linear (float) or of bias-free
-QLinear (W4/W8) runs them as the fused grouped GEMMs of kernels/triton/fused_moe.py instead of one module call per
-active expert.
+"""Serving on CUDA: every MoE block (any of models/moe.py's routings; shared experts stay modules, added by
+MoE.forward) whose experts are SwiGLU MLPs of bias-free nn.Linear (float) or of bias-free QLinear (W4/W8) runs them
+as the fused grouped GEMMs of kernels/triton/fused_moe.py instead of one module call per active expert.
 
-The block keeps its identity, router, select() and children; only its class changes (to a subclass whose forward
+The block keeps its identity, router, select() and children; only its class changes (to a subclass whose routed()
 calls fused_moe) and it gains w_gate_up [E, 2I, H] and w_down [E, H, I], plain attributes (not in the state dict):
   float   one tensor each; every expert's gate/up/down weight becomes a view into them, so parameters and values
           are unchanged and nothing is stored twice;
@@ -24,7 +24,7 @@ from quantkit.kernels.triton.fused_moe import FLOAT_DTYPES, ExpertWeights, fused
 from quantkit.kernels.triton.packed_experts import stack_packed
 from quantkit.kernels.triton.repack import repack
 from quantkit.models.layers import MLP
-from quantkit.models.moe import MoE
+from quantkit.models.moe import CorrectedSoftmaxMoE, GroupedTopKMoE, MoE
 from quantkit.models.qwen2_moe import SharedExpertMoE
 from quantkit.quant.qlinear import QLinear
 
@@ -37,7 +37,7 @@ class FusedMoE(MoE):
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """x [*lead, H] -> [*lead, H], as MoE.routed (MoE.forward adds the shared experts)."""
-        weights, chosen = self.select(self.gate(x))
+        weights, chosen = self.select(self.gate(x), x.dtype)
         out = fused_moe(x.reshape(-1, x.shape[-1]), self.w_gate_up, self.w_down, weights, chosen)
         return out.view(x.shape)
 
@@ -46,7 +46,16 @@ class FusedSharedExpertMoE(SharedExpertMoE, FusedMoE):
     """Qwen2-MoE: SharedExpertMoE.forward adds the shared expert to MoE.forward's, whose routed() is FusedMoE's."""
 
 
-FUSED = {MoE: FusedMoE, SharedExpertMoE: FusedSharedExpertMoE}  # the MoE classes whose forward is known
+class FusedGroupedTopKMoE(GroupedTopKMoE, FusedMoE):
+    """GLM-4.5: GroupedTopKMoE's select, FusedMoE's routed (MoE.forward adds the shared experts)."""
+
+
+class FusedCorrectedSoftmaxMoE(CorrectedSoftmaxMoE, FusedMoE):
+    """ERNIE 4.5 MoE: CorrectedSoftmaxMoE's select, FusedMoE's routed (MoE.forward adds the shared experts)."""
+
+
+FUSED = {MoE: FusedMoE, SharedExpertMoE: FusedSharedExpertMoE, GroupedTopKMoE: FusedGroupedTopKMoE,
+         CorrectedSoftmaxMoE: FusedCorrectedSoftmaxMoE}  # the MoE classes whose routed() is known
 
 
 def swiglu_parts(expert: nn.Module) -> Optional[tuple[nn.Module, nn.Module, nn.Module]]:

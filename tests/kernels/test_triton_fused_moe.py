@@ -3,8 +3,9 @@
 Runs under TRITON_INTERPRET=1 on CPU (tests/kernels/triton_env.py). The alignment is compared slot for slot with a
 plain-Python construction; fused_moe with its torch reference fused_moe_ref over routings with a starved expert,
 every token on one pair of experts, a decode step (T=1) and T not a multiple of BLOCK_M; and the fused block with
-MoE.forward of real quantkit MoE blocks (tiny random Mixtral, Qwen2-MoE and Hunyuan MoE from transformers,
-tests/quantkit/families.py, loaded through quantkit's load_state), fp32 within 1e-5, bf16/fp16 within TOL.
+MoE.forward of real quantkit MoE blocks (tiny random Mixtral, Qwen2-MoE, Hunyuan MoE, GLM-4.5 and ERNIE 4.5 MoE from
+transformers, tests/quantkit/families.py, saved and read by quantkit's loader), fp32 within 1e-5, bf16/fp16 within
+TOL.
 Packed experts (W4 g16 act-order, W8 per-channel): the reference's weights equal scheme.dequantize of each QTensor,
 the kernel equals the reference, and a Mixtral block with QLinear experts equals its own module forward.
 """
@@ -15,6 +16,7 @@ from tests.kernels.triton_env import DEVICE  # first: sets TRITON_INTERPRET befo
 
 import copy
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,12 +27,14 @@ from quantkit.kernels.triton.fused_moe import align_block_size, fused_moe, fused
 from quantkit.kernels.triton.packed_experts import dequantize_experts_ref, stack_packed
 from quantkit.kernels.triton.repack import repack
 from quantkit.models.config import ModelConfig
-from quantkit.models.loader import load_state
+from quantkit.files import read_safetensors
+from quantkit.models.loader import load_state, tensor_names_of
 from quantkit.models.model import CausalLM
 from quantkit.models.moe import MoE
 from quantkit.quant import scheme
 from quantkit.quant.qlinear import QLinear
-from quantkit.serve.moe_fusion import FusedMoE, FusedSharedExpertMoE, fuse_moe, fuse_moe_block
+from quantkit.serve.moe_fusion import (FusedCorrectedSoftmaxMoE, FusedGroupedTopKMoE, FusedMoE, FusedSharedExpertMoE,
+                                       fuse_moe, fuse_moe_block)
 from quantkit.serve.prepare import prepare_model
 from tests.quantkit.families import random_hf_model
 
@@ -195,16 +199,24 @@ FAMILY_CONFIGS = {  # small enough for the interpreter: E=8, I=48 (Mixtral) / E=
                                     shared_expert_intermediate_size=64, num_hidden_layers=1)),
     "hunyuan_moe": ("hunyuan_v1_moe", dict(num_experts=6, moe_topk=K, intermediate_size=32, head_dim=16,
                                            num_hidden_layers=1)),  # plain MoE with shared experts (shared_mlp)
+    "glm4_moe": ("glm4_moe", dict(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=K,
+                                  moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0,
+                                  head_dim=16, num_hidden_layers=1)),  # grouped sigmoid, fp32 router
+    "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=6, moe_k=K, moe_intermediate_size=32,
+                                          moe_num_shared_experts=1, moe_layer_start_index=0, head_dim=16,
+                                          num_hidden_layers=1)),  # corrected softmax, fp32 router
 }
 
 
-def quantkit_model(name: str) -> CausalLM:
-    """The tiny random transformers model of this family, loaded into quantkit's CausalLM (fp32)."""
+def quantkit_model(name: str, folder: Path) -> CausalLM:
+    """The tiny random transformers model of this family, saved by transformers into `folder` and its weights read
+    into quantkit's CausalLM by the loader (fp32)."""
     model_type, extra = FAMILY_CONFIGS[name]
     hf = random_hf_model(model_type, **extra)
+    hf.save_pretrained(folder)
     with torch.device("meta"):
         model = CausalLM(ModelConfig.from_hf(hf.config.to_dict()))
-    load_state(model, hf.state_dict(), "memory", torch.float32)
+    load_state(model, read_safetensors(folder, tensor_names_of(folder)), folder, torch.float32)
     return model.eval()
 
 
@@ -213,8 +225,8 @@ def moe_block(model: CausalLM) -> MoE:
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {name: quantkit_model(name) for name in FAMILY_CONFIGS}
+def models(tmp_path_factory):
+    return {name: quantkit_model(name, tmp_path_factory.mktemp(name)) for name in FAMILY_CONFIGS}
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -226,7 +238,8 @@ def test_fused_block_equals_moe_forward_with_the_same_state(name, dtype, models)
     state = block.state_dict()
     params = dict(block.named_parameters())
     assert fuse_moe_block(block)
-    assert type(block) is {"mixtral": FusedMoE, "qwen2_moe": FusedSharedExpertMoE, "hunyuan_moe": FusedMoE}[name]
+    assert type(block) is {"mixtral": FusedMoE, "qwen2_moe": FusedSharedExpertMoE, "hunyuan_moe": FusedMoE,
+                           "glm4_moe": FusedGroupedTopKMoE, "ernie4_5_moe": FusedCorrectedSoftmaxMoE}[name]
     # same keys, values and Parameter objects; each expert weight a view into the stacked tensors
     assert block.state_dict().keys() == state.keys() and dict(block.named_parameters()) == params
     for key, value in block.state_dict().items():
