@@ -9,7 +9,7 @@
 # figures the open goals need first), then `tests` (a fresh machine spends ~170 s compiling before its results).
 #
 # Stages: tests (the Triton kernel tests, QLinear's CUDA test, a decode-graph capture and replay and the fused MoE
-# block of Mixtral, Qwen2-MoE and Hunyuan MoE, compiled for the GPU: TRITON_INTERPRET=0),
+# block of five MoE families, compiled for the GPU: TRITON_INTERPRET=0),
 # kernels (bench/gpu_kernels.py --quick), engine (bench/engine_gpu.py on the SmolLM2-135M shape: attention check, bf16,
 # W4, W8; ENGINE_ARGS=--profile adds a cProfile of each), engine8b (the Llama-3-8B shape: bf16, W4, W8); both
 # print each engine's step table at batch 1, 8, 64 (GPU busy time, the host's remainder, the memory floor),
