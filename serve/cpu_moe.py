@@ -18,18 +18,13 @@ import torch
 from torch import nn
 
 from quantkit.kernels.cpu import moe as cpu_moe
-from quantkit.kernels.cpu.gemm import _FUSED_MAX_M
-from quantkit.kernels.cpu.gemv import MAX_ROWS
-from quantkit.kernels.cpu.step_plan import KINDS, Plan
+from quantkit.kernels.cpu.step_plan import KINDS, ROW_LIMITS, Plan
 from quantkit.models.moe import BiasedRouter, CorrectedSoftmaxMoE, GroupedTopKMoE, MoE
 from quantkit.models.qwen2_moe import SharedExpertMoE
 from quantkit.serve.cpu_linear import FusedLinear
 from quantkit.serve.cpu_plan_linears import record_fused, record_linear
 
 log = logging.getLogger("quantkit.serve")
-
-_ROW_LIMITS = {"qgemv": MAX_ROWS, "qgemm": _FUSED_MAX_M}  # the kernels of a row limit (others: any row count)
-
 
 class CpuMoE(MoE):
     """MoE whose routed() runs as one moe_forward call (bf16, up to expert_calls.max_rows tokens): the routing
@@ -128,7 +123,7 @@ def expert_calls(moe: MoE, router: torch.Tensor) -> Optional[cpu_moe.ExpertCalls
     small = _recorded(experts, 1, hidden, inter)
     if small is None:
         return None
-    limits = {_ROW_LIMITS.get(KINDS[row[0]], 0) for row in small.rows}
+    limits = {ROW_LIMITS.get(KINDS[row[0]], 0) for row in small.rows}
     if len(limits) != 1:
         return None  # gate_up and down on kernels of different limits: not a case prepare makes
     limit = limits.pop()
@@ -138,7 +133,7 @@ def expert_calls(moe: MoE, router: torch.Tensor) -> Optional[cpu_moe.ExpertCalls
     elif large is None:
         max_rows = limit  # no larger kernel here
     else:
-        max_rows = _ROW_LIMITS.get(KINDS[large.rows[0][0]])  # None: any
+        max_rows = ROW_LIMITS.get(KINDS[large.rows[0][0]])  # None: any
     table = [row + [limit, large.rows[i][1] if large is not None else 0] for i, row in enumerate(small.rows)]
     calls = torch.tensor(table, dtype=torch.int64).view(len(experts), 2, cpu_moe.CALL_WORDS)
     recordings = [p for p in (small, large) if p is not None]

@@ -8,8 +8,8 @@ On CPU, bf16:
   3. on AMX CPUs q/k/v and gate/up run as one GEMM each (W4/W8 also on CPUs with the GEMV, AVX512-BF16, for
      decode-sized calls): the Attention and MLP modules become FusedAttention and FusedMLP, whose project() /
      activated() call a FusedLinear over the same parts (outputs bit-identical);
-  4. with the C kernels, each softmax top-k MoE block whose experts step 3 fused routes and runs them as one C
-     call (serve/cpu_moe.py).
+  4. with the C kernels, each MoE block whose experts step 3 fused routes and runs them as one C call
+     (serve/cpu_moe.py).
 Batch-invariant (EngineConfig.batch_invariant, bf16 on CPU with the C kernels): step 1 packs every plain Linear,
 the lm_head included, for a row-invariant kernel (AMX's tile GEMM where it runs, else kernels/cpu/rowwise_gemm.py's
 GEMM: serve/cpu_linear.py), and step 3 fuses on it on any CPU; the attention backend then runs every query row as a
@@ -94,7 +94,7 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
     for oneDNN's packing); fused_ops: the per-token ops on kernels (the C ones where they build, the Triton ones on
     CUDA); batch_invariant: the rowwise GEMM for every plain Linear (batch_invariant_mode said yes). Returns the ops
     in use when they are the C kernels (the attention backend's KV store uses them too), else None."""
-    moe_routers = routers(model) if device.type == "cpu" and dtype == torch.bfloat16 else {}
+    moe_routers = routers(model) if device.type == "cpu" and dtype == torch.bfloat16 and fused_ops else {}
     if can_pack(dtype, device):
         packed = pack_linears(model, batch_hint, rowwise=batch_invariant)
         log.info("prepacked %d Linear weights (bf16%s)", packed, ", row-invariant GEMM" if batch_invariant else "")
@@ -126,11 +126,10 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
 
 
 def fuse_projections(model: nn.Module, fuse=FusedLinear.of, skip: frozenset[int] | set[int] = frozenset()) -> int:
-    """Turn each Attention into a FusedAttention and each MLP (Mixtral's expert) into a FusedMLP (FusedMixtralExpert)
-    (but the modules whose id is in
-    `skip`) where `fuse` takes their parts: FusedLinear.of on CPU (one AMX packing), cuda_linear.StackedLinear.of
-    on CUDA. The module keeps its identity, parameters and children; only its class and one attribute change.
-    Returns how many were fused."""
+    """Turn each Attention into a FusedAttention and each MLP (Mixtral's expert) into a FusedMLP (FusedMixtralExpert),
+    but the modules whose id is in `skip`, where `fuse` takes their parts: FusedLinear.of on CPU (one AMX packing),
+    cuda_linear.StackedLinear.of on CUDA. The module keeps its identity, parameters and children; only its class and
+    one attribute change. Returns how many were fused."""
     fused = 0
     for module in list(model.modules()):
         if id(module) in skip:

@@ -28,6 +28,8 @@ OP_WORDS = 20  # plan_call.h's OP_WORDS: kind, function, up to 18 arguments
 KINDS = ["add_rms_norm", "rope", "silu_mul", "kv_store", "qgemv", "rowwise_gemm", "paged_decode", "paged_rows",
          "copy_rows", "add_rows", "rowwise_qgemm", "gemm_bf16", "qgemm", "scale_rows", "add_fp32_norm",
          "gelu_tanh_mul", "scale_rows_at", "activation", "moe", "sigmoid_gated_add"]  # plan_call.h's enum, in order
+# the most rows of x each quantized kernel takes in one call (a kind not here: any)
+ROW_LIMITS = {"qgemv": gemv.MAX_ROWS, "qgemm": _FUSED_MAX_M}
 _P, _INT, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"run_plan": [_P, _INT, _INT], "copy_rows": [_P, _I64, _P, _P, _I64, _INT, _I64],
               "add_rows": [_P, _I64, _P, _I64, _INT, _INT], "scale_rows": [_P, _I64, ctypes.c_float, _INT, _INT],
@@ -186,20 +188,21 @@ class Plan:
 
     # qgemv - x [M, K] bf16 contiguous (M <= gemv.MAX_ROWS), pack_quantized's weight -> y [M, N] ([M, N/2] act)
     def qgemv(self, x: torch.Tensor, packed, bits: int, y: torch.Tensor, act: bool = False) -> None:
-        self._quantized("qgemv", gemv._library(), gemv.MAX_ROWS, x, packed, bits, y, act)
+        self._quantized("qgemv", gemv._library(), x, packed, bits, y, act)
 
     # rowwise_qgemm - as qgemv, any M (rowwise_gemm.quantized_available() must hold)
     def rowwise_qgemm(self, x: torch.Tensor, packed, bits: int, y: torch.Tensor, act: bool = False) -> None:
         if not rowwise_gemm.quantized_available():
             raise ValueError("rowwise_qgemm: this build has no AVX-512 BF16 rowwise GEMM")
-        self._quantized("rowwise_qgemm", rowwise_gemm._library(), None, x, packed, bits, y, act)
+        self._quantized("rowwise_qgemm", rowwise_gemm._library(), x, packed, bits, y, act)
 
     # qgemm - as qgemv, up to gemm._FUSED_MAX_M rows (where matmul_quantized runs it; gemm.available() must hold)
     def qgemm(self, x: torch.Tensor, packed, bits: int, y: torch.Tensor, act: bool = False) -> None:
-        self._quantized("qgemm", _amx_library("qgemm"), _FUSED_MAX_M, x, packed, bits, y, act)
+        self._quantized("qgemm", _amx_library("qgemm"), x, packed, bits, y, act)
 
-    def _quantized(self, kind: str, lib, max_rows: int | None, x, packed, bits: int, y, act: bool) -> None:
-        """One of the three kernels of gemm.c's qgemm arguments, from 1 to max_rows (None: any) rows."""
+    def _quantized(self, kind: str, lib, x, packed, bits: int, y, act: bool) -> None:
+        """One of the three kernels of gemm.c's qgemm arguments, from 1 to ROW_LIMITS[kind] (absent: any) rows."""
+        max_rows = ROW_LIMITS.get(kind)
         _check_x(x, _check_quantized(packed, bits))
         codes, qparams, gs = packed
         m, n = x.shape[0], codes.shape[0] * 16
